@@ -60,11 +60,14 @@ class DenseGeneral(nn.Module):
             return self.kernel_init(key, flat_shape, dtype).reshape(shape)
 
         kernel = param_with_axes(self, "kernel", init, in_shape + self.features, self.kernel_axes)
-        contract = tuple(range(x.ndim - self.num_in_dims, x.ndim))
-        kernel_dims = tuple(range(self.num_in_dims))
-        return jax.lax.dot_general(
-            x.astype(self.dtype), kernel.astype(self.dtype), ((contract, kernel_dims), ((), ()))
-        )
+        # One 2-D matmul [tokens, fan_in] x [fan_in, fan_out]: the same products as contracting
+        # the original dims, but its gradient w.r.t. the kernel is a plain 2-D matmul too. With
+        # the batch and length dims left separate, XLA on CPU transposes the incoming gradient
+        # (fused into the elementwise backward, e.g. of gated-GELU) before that matmul: a
+        # measured 1.6x slower MLP backward on T5 1.1 small.
+        rows = x.reshape((-1, fan_in)).astype(self.dtype)
+        out = rows @ kernel.reshape(flat_shape).astype(self.dtype)
+        return out.reshape(x.shape[: x.ndim - self.num_in_dims] + self.features)
 
 
 class RMSNorm(nn.Module):
