@@ -5,6 +5,11 @@ without knowing the optimizer. Orbax writes to a temporary directory and renames
 save is complete, so a crash mid-save never leaves a checkpoint that restore would pick; a
 checkpoint_N directory damaged some other way (a partial copy, a lost file) is skipped with a
 warning by `usable_steps`.
+
+On disk layers are always unrolled (layers_N), whatever T5Config.scan_layers: a run with scanned
+layers unstacks its parameters and optimizer state to save them and stacks them again on restore
+(layer_stacking.py), so checkpoints move freely between scanned and unscanned runs and the
+importers and exporters see one layout.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from t5tpu import layer_stacking
 from t5tpu.errors import UserError
 
 STEP_PREFIX = "checkpoint"
@@ -40,6 +46,15 @@ def manager(
     return ocp.CheckpointManager(epath.Path(model_dir), options=options, item_handlers=handlers)
 
 
+# One compiled program slices every layer; XLA places the slices like the stacked arrays
+# (whose layer axis is never sharded).
+_unstack_layers = jax.jit(layer_stacking.unstack_layers)
+
+
+def _unrolled(tree):
+    return _unstack_layers(tree) if layer_stacking.is_stacked(tree) else tree
+
+
 def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str = "float32") -> None:
     """Saves parameters (cast to `dtype`: 'bfloat16' halves the size, and makes resume inexact)
     and optimizer state; blocks until the checkpoint is complete on disk."""
@@ -47,6 +62,8 @@ def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str =
         raise UserError(f"checkpoint dtype {dtype!r}; use one of {', '.join(SAVE_DTYPES)}")
     if step in mngr.all_steps():
         return  # already saved at this step (e.g. the final save right after a periodic one)
+    # Together: the parameters tell the depth of stacks whose moments are all placeholders.
+    params, opt_state = _unrolled((params, opt_state))
     if dtype != "float32":
         params = jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), params)
     mngr.save(
@@ -111,10 +128,11 @@ def geometry_differences(found: dict[str, tuple], expected: dict[str, tuple]) ->
 
 
 def check_geometry(mngr, step: int, abstract_params) -> None:
-    """Refuses a checkpoint whose parameter names or shapes differ from the model's, listing
-    the differences, before anything is read."""
+    """Refuses a checkpoint whose parameter names or shapes differ from the model's (compared
+    in the unrolled layout), listing the differences, before anything is read."""
     differences = geometry_differences(
-        flat_shapes(mngr.item_metadata(step)["params"]), flat_shapes(abstract_params)
+        flat_shapes(mngr.item_metadata(step)["params"]),
+        flat_shapes(layer_stacking.unstack_layers(abstract_params)),
     )
     if differences:
         raise UserError(
@@ -123,9 +141,25 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
         )
 
 
-def _restore(mngr, step, abstract_params, **items):
-    check_geometry(mngr, step, abstract_params)
-    return mngr.restore(step, args=ocp.args.Composite(**items))
+def _restore(mngr, step, abstract: dict, shardings: dict):
+    """Restores the items in `abstract` ({item: tree of shapes}) onto `shardings` ({item: tree
+    of shardings}): read unrolled as on disk, then stacked where the model scans its layers."""
+    check_geometry(mngr, step, abstract["params"])
+    unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract, shardings)
+    restored = mngr.restore(
+        step,
+        args=ocp.args.Composite(
+            **{
+                name: ocp.args.StandardRestore(
+                    _with_shardings(unrolled[name], unrolled_shardings[name])
+                )
+                for name in abstract
+            }
+        ),
+    )
+    return layer_stacking.stack_onto(
+        {name: restored[name] for name in abstract}, abstract, shardings
+    )
 
 
 def restore_state(
@@ -134,21 +168,14 @@ def restore_state(
     restored = _restore(
         mngr,
         step,
-        abstract_params,
-        params=ocp.args.StandardRestore(_with_shardings(abstract_params, param_shardings)),
-        opt_state=ocp.args.StandardRestore(_with_shardings(abstract_opt_state, opt_shardings)),
+        {"params": abstract_params, "opt_state": abstract_opt_state},
+        {"params": param_shardings, "opt_state": opt_shardings},
     )
     return restored["params"], restored["opt_state"]
 
 
 def restore_params(mngr, step: int, abstract_params, param_shardings):
-    restored = _restore(
-        mngr,
-        step,
-        abstract_params,
-        params=ocp.args.StandardRestore(_with_shardings(abstract_params, param_shardings)),
-    )
-    return restored["params"]
+    return _restore(mngr, step, {"params": abstract_params}, {"params": param_shardings})["params"]
 
 
 def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:

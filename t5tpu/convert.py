@@ -29,6 +29,7 @@ from t5tpu import (
     checkpoints,
     gin_setup,
     hf_format,
+    layer_stacking,
     mesh_tf_format,
     param_mapping,
     t5x_format,
@@ -100,7 +101,8 @@ def load_pretrained(path: str, abstract_params, shardings=None):
     `abstract_params` (float32). Names and shapes are checked against the model before anything
     is read: a mismatch is a UserError listing them. With `shardings` (a tree of shardings like
     the parameters) each array is placed as it is read; without, they are numpy arrays (t5tpu
-    checkpoints come back on the first device)."""
+    checkpoints come back on the first device). Every format holds layers unrolled (layers_N);
+    for a model that scans its layers they are stacked after reading."""
     source = detect_format(path)
     if source == "t5tpu":
         model_dir, step = _t5tpu_step_dir(path)
@@ -110,7 +112,9 @@ def load_pretrained(path: str, abstract_params, shardings=None):
             abstract_params,
             shardings if shardings is not None else _single_device(abstract_params),
         )
-    return IMPORTERS[source].load_params(path, abstract_params, shardings)
+    unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
+    params = IMPORTERS[source].load_params(path, unrolled, unrolled_shardings)
+    return layer_stacking.stack_onto(params, abstract_params, shardings)
 
 
 def pretrained_step(path: str) -> int:

@@ -106,12 +106,21 @@ def length_penalty(length: Array | int, alpha: float) -> Array:
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
+def _path_names(path) -> list:
+    return [getattr(key, "key", None) for key in path]
+
+
 def _is_self_attention_cache(path) -> bool:
     """Self-attention keys/values differ per hypothesis and follow their beam when beams are
     reordered; cross-attention keys/values are the same for every beam of an example, and
     `max_length` has no batch dimension."""
-    names = [getattr(key, "key", None) for key in path]
+    names = _path_names(path)
     return "self_attention" in names and names[-1] in ("cached_key", "cached_value")
+
+
+def _batch_axis(path) -> int:
+    """Caches of scanned layers (under "layers", not layers_N) lead with the layer axis."""
+    return 1 if "layers" in _path_names(path) else 0
 
 
 def _reorder_beams(cache, parent: Array):
@@ -121,9 +130,11 @@ def _reorder_beams(cache, parent: Array):
     def gather(path, leaf):
         if not _is_self_attention_cache(path):
             return leaf
-        per_beam = leaf.reshape((batch, beams) + leaf.shape[1:])
-        index = parent.reshape((batch, beams) + (1,) * (leaf.ndim - 1))
-        return jnp.take_along_axis(per_beam, index, axis=1).reshape(leaf.shape)
+        axis = _batch_axis(path)
+        shape = leaf.shape
+        per_beam = leaf.reshape(shape[:axis] + (batch, beams) + shape[axis + 1 :])
+        index = parent.reshape((1,) * axis + (batch, beams) + (1,) * (leaf.ndim - axis - 1))
+        return jnp.take_along_axis(per_beam, index, axis=axis + 1).reshape(shape)
 
     return jax.tree_util.tree_map_with_path(gather, cache)
 
@@ -133,7 +144,7 @@ def _expand_to_beams(tree, num_beams: int, only):
     in the leaves whose path `only` accepts."""
 
     def expand(path, leaf):
-        return jnp.repeat(leaf, num_beams, axis=0) if only(path) else leaf
+        return jnp.repeat(leaf, num_beams, axis=_batch_axis(path)) if only(path) else leaf
 
     return jax.tree_util.tree_map_with_path(expand, tree)
 

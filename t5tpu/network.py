@@ -2,8 +2,12 @@
 
 Parameter tree as T5X names it (token_embedder/embedding, encoder/layers_N/attention/query/kernel,
 decoder/logits_dense/kernel, ...), layers unrolled as layers_N so checkpoint converters map one to
-one. Packed sequences are supported through segment ids; positions inside a segment are
-contiguous, so the relative position bias can be computed from plain offsets once per stack.
+one. With `scan_layers` each stack is one `nn.scan` over a single "layers" subtree whose leaves
+have a leading layer axis (logical name "layers"): XLA compiles one layer instead of N, and
+layer_stacking.py converts to and from layers_N where checkpoints are read and written.
+
+Packed sequences are supported through segment ids; positions inside a segment are contiguous,
+so the relative position bias can be computed from plain offsets once per stack.
 """
 
 from __future__ import annotations
@@ -43,13 +47,17 @@ class T5Config:
     # Activation checkpointing of each layer: 'none', 'full' (save nothing) or 'dots' (save
     # matmul outputs without batch dims).
     remat_policy: str = "none"
+    # True: each layer stack is one nn.scan over stacked parameters (and decoding caches), so
+    # compile time no longer grows with depth; checkpoints keep the layers_N layout. Dropout
+    # masks differ from the unrolled stack's; everything else is computed alike.
+    scan_layers: bool = False
 
     @property
     def activation_dtype(self):
         return jnp.dtype(self.dtype)
 
 
-def _remat(layer_cls, policy: str, static_argnums: tuple[int, ...]):
+def _remat(layer_cls, policy: str, static_argnums: tuple[int, ...], scanned: bool = False):
     """Wraps a layer in activation checkpointing; static_argnums count `self` as 0."""
     if policy == "none":
         return layer_cls
@@ -59,7 +67,40 @@ def _remat(layer_cls, policy: str, static_argnums: tuple[int, ...]):
     }
     if policy not in policies:
         raise ValueError(f"unknown remat_policy {policy!r}; use one of none, {', '.join(policies)}")
-    return nn.remat(layer_cls, policy=policies[policy], static_argnums=static_argnums)
+    # Inside a scan the loop already keeps XLA from merging the recomputation with the forward
+    # pass, so the optimization barriers of prevent_cse would only cost speed.
+    return nn.remat(
+        layer_cls, policy=policies[policy], static_argnums=static_argnums, prevent_cse=not scanned
+    )
+
+
+def _layer_stack(layer_cls, config: T5Config, policy: str, static_argnums, num_layers: int):
+    """Calls `num_layers` layers in sequence, each taking the running activations first and
+    the same other arguments: unrolled as layers_0..layers_{n-1}, or one nn.scan named "layers"
+    whose parameters and 'cache' variables are stacked along a leading "layers" axis."""
+    scanned = config.scan_layers
+    layer_cls = _remat(layer_cls, policy, static_argnums, scanned)
+    if not scanned:
+
+        def unrolled(x, *args):
+            for i in range(num_layers):
+                x = layer_cls(config, name=f"layers_{i}")(x, *args)
+            return x
+
+        return unrolled
+    stack = nn.scan(
+        layer_cls,
+        variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True, "dropout": True},
+        in_axes=nn.broadcast,
+        length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"},
+    )(config, name="layers")
+
+    def scanned_stack(x, *args):
+        return stack(x, *args)[0]
+
+    return scanned_stack
 
 
 def _attention_mask(
@@ -101,7 +142,8 @@ class EncoderLayer(nn.Module):
             h, deterministic
         )
         x = x + dropout(h, deterministic)
-        return layers.constrain(x, ("batch", "length", "embed"))
+        x = layers.constrain(x, ("batch", "length", "embed"))
+        return (x, None) if cfg.scan_layers else x  # nn.scan's body returns (carry, output)
 
 
 class DecoderLayer(nn.Module):
@@ -133,7 +175,8 @@ class DecoderLayer(nn.Module):
             h, deterministic
         )
         y = y + dropout(h, deterministic)
-        return layers.constrain(y, ("batch", "length", "embed"))
+        y = layers.constrain(y, ("batch", "length", "embed"))
+        return (y, None) if cfg.scan_layers else y  # nn.scan's body returns (carry, output)
 
 
 class Encoder(nn.Module):
@@ -158,9 +201,8 @@ class Encoder(nn.Module):
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         x = dropout(self.shared_embedding(tokens), deterministic)
         x = layers.constrain(x, ("batch", "length", "embed"))
-        layer_cls = _remat(EncoderLayer, cfg.remat_policy, static_argnums=(3,))
-        for i in range(cfg.num_encoder_layers):
-            x = layer_cls(cfg, name=f"layers_{i}")(x, bias, deterministic)
+        stack = _layer_stack(EncoderLayer, cfg, cfg.remat_policy, (3,), cfg.num_encoder_layers)
+        x = stack(x, bias, deterministic)
         x = layers.RMSNorm(dtype=cfg.activation_dtype, name="encoder_norm")(x)
         return dropout(x, deterministic)
 
@@ -232,11 +274,8 @@ class Decoder(nn.Module):
         y = layers.constrain(y, ("batch", "length", "embed"))
         # Decoding stores no activations for a backward pass, so it never needs remat.
         policy = "none" if decode else cfg.remat_policy
-        layer_cls = _remat(DecoderLayer, policy, static_argnums=(5, 6))
-        for i in range(cfg.num_decoder_layers):
-            y = layer_cls(cfg, name=f"layers_{i}")(
-                y, encoded, self_bias, cross_bias, deterministic, decode, decode_position
-            )
+        stack = _layer_stack(DecoderLayer, cfg, policy, (5, 6), cfg.num_decoder_layers)
+        y = stack(y, encoded, self_bias, cross_bias, deterministic, decode, decode_position)
         y = layers.RMSNorm(dtype=cfg.activation_dtype, name="decoder_norm")(y)
         y = dropout(y, deterministic)
         if cfg.logits_via_embedding:

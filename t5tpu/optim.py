@@ -1,10 +1,18 @@
-"""Optimizers and learning-rate schedules, built from optax and configured in gin."""
+"""Optimizers and learning-rate schedules, built from optax and configured in gin.
+
+Both optimizers work on scanned layer stacks (T5Config.scan_layers) as on unrolled ones: AdamW
+is elementwise (and its clipping global), and Adafactor's per-parameter blocks are per layer
+(see `adafactor`), so a scanned run makes the same updates and keeps the same state, stacked.
+"""
 
 from __future__ import annotations
 
 import gin
+import jax
 import jax.numpy as jnp
 import optax
+
+from t5tpu.layer_stacking import LAYERS
 
 
 @gin.configurable
@@ -41,6 +49,45 @@ def linear_decay_schedule(
     )
 
 
+def _block_axes(path, x) -> tuple[int, ...] | None:
+    """The axes of one of Adafactor's parameter blocks in leaf `x`: all of them, or all but the
+    leading one for a leaf of a scanned stack (under "layers"), whose layers are blocks each."""
+    if any(getattr(key, "key", None) == LAYERS for key in path):
+        return tuple(range(1, x.ndim))
+    return None
+
+
+def _block_rms(path, x):
+    axes = _block_axes(path, x)
+    return jnp.sqrt(jnp.mean(jnp.square(x), axis=axes, keepdims=axes is not None))
+
+
+def clip_by_block_rms(threshold: float) -> optax.GradientTransformation:
+    """optax.clip_by_block_rms with a scanned stack's layers as blocks of their own."""
+
+    def update(updates, state, params=None):
+        del params
+
+        def clip(path, u):
+            return u / jnp.maximum(1.0, _block_rms(path, u) / threshold)
+
+        return jax.tree_util.tree_map_with_path(clip, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
+def scale_by_param_block_rms(min_scale: float = 1e-3) -> optax.GradientTransformation:
+    """optax.scale_by_param_block_rms with a scanned stack's layers as blocks of their own."""
+
+    def update(updates, state, params):
+        def scale(path, u, p):
+            return u * jnp.maximum(_block_rms(path, p), min_scale)
+
+        return jax.tree_util.tree_map_with_path(scale, updates, params), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 @gin.configurable
 def adafactor(
     learning_rate: optax.Schedule | float = 1e-3,
@@ -52,16 +99,24 @@ def adafactor(
     weight_decay_rate: float | None = None,
 ) -> optax.GradientTransformation:
     """T5's Adafactor: factored second moments, decay 0.8, update clipping 1.0, updates scaled by
-    the parameter's RMS."""
-    return optax.adafactor(
-        learning_rate=learning_rate,
-        decay_rate=decay_rate,
-        clipping_threshold=clipping_threshold,
-        multiply_by_parameter_scale=multiply_by_parameter_scale,
-        factored=factored,
-        momentum=momentum,
-        weight_decay_rate=weight_decay_rate,
-    )
+    the parameter's RMS.
+
+    optax.adafactor's transformations in its order (so its state, and checkpoints of it, are
+    the same), with update clipping and parameter scale per layer in a scanned stack. The
+    factored moments are per layer already: a stack has fewer layers than the 128 a dimension
+    needs to be factored, so the layer axis is never one of the two factored dimensions."""
+    chain = [optax.scale_by_factored_rms(factored, decay_rate, min_dim_size_to_factor=128)]
+    if clipping_threshold is not None:
+        chain.append(clip_by_block_rms(clipping_threshold))
+    chain.append(optax.scale_by_learning_rate(learning_rate, flip_sign=False))
+    if multiply_by_parameter_scale:
+        chain.append(scale_by_param_block_rms())
+    if momentum is not None:
+        chain.append(optax.ema(momentum, debias=False, accumulator_dtype=jnp.float32))
+    if weight_decay_rate is not None:
+        chain.append(optax.add_decayed_weights(weight_decay_rate))
+    chain.append(optax.scale(-1))
+    return optax.chain(*chain)
 
 
 @gin.configurable

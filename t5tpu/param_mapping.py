@@ -185,7 +185,9 @@ def config_from_flat_shapes(shapes: Mapping[str, tuple[int, ...]]) -> T5Config:
 
 
 def abstract_params(config: T5Config):
-    """Parameter shapes of a model with this geometry, without allocating it."""
+    """Parameter shapes of a model with this geometry, without allocating it, in the layers_N
+    layout that every checkpoint format uses (whatever config.scan_layers says)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    variables = jax.eval_shape(Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
+    unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
+    variables = jax.eval_shape(unrolled.init, jax.random.PRNGKey(0), tokens, tokens)
     return nn.unbox(variables["params"])

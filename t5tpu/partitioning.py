@@ -1,7 +1,8 @@
 """Device mesh ('data', 'model') and the logical axis rules that place arrays on it.
 
 Parameters and activations carry T5X's logical axis names (batch, length, embed, mlp, heads, kv,
-joined_kv, vocab, relpos_buckets); a rule list maps each name to a mesh axis or to None
+joined_kv, vocab, relpos_buckets, and layers: the leading axis of scanned layers' parameters and
+caches); a rule list maps each name to a mesh axis or to None
 (replicated). Model parallelism shards heads, mlp and vocab over 'model'; data parallelism splits
 the batch over 'data'. With `parameter_partitioning='2d'` parameters are also sharded over 'data'
 along embed (ZeRO-3 style), which is what lets 3B/11B fit on small slices.
@@ -32,7 +33,8 @@ MESH_AXES = ("data", "model")
 GiB = 1024**3
 
 # Axes no rule shards; listed so that every logical name has a rule (T5X lists them too).
-_UNSHARDED_AXES = ("kv", "length", "relpos_buckets")
+# "layers" (scanned layer stacks) must stay whole: each scan step reads one layer's slice.
+_UNSHARDED_AXES = ("kv", "length", "relpos_buckets", "layers")
 
 
 @gin.configurable
