@@ -3,8 +3,12 @@
 Parameters, optimizer state and gradients are counted exactly from their shapes and the
 shardings the logical axis rules give them on the topology's mesh. Activations are estimated
 from the tensors the backward pass keeps, layer by layer, at the configured batch, lengths,
-remat policy and microbatches, with coefficients checked against XLA's compiled memory analysis
-of the real train step (tests/test_plan.py; docs/memory_plan.md says how close it is).
+remat policy and microbatches, with coefficients read off XLA's buffer assignment of the real
+train step. Two things depend on the compiler that builds the step, and the plan follows the
+one the topology implies (XLA's CPU compiler for the 'cpu' topology, TPU's for the others):
+whether the optimizer update materializes parameter-sized temporaries, and whether remat is
+honoured. tests/test_plan.py checks the plan against XLA's compiled memory analysis on every
+run; docs/memory_plan.md says how close it is, for both compilers.
 """
 
 from __future__ import annotations
@@ -21,6 +25,13 @@ from t5tpu import partitioning
 from t5tpu.network import T5Config, Transformer
 
 GiB = partitioning.GiB
+
+CPU, TPU = "cpu", "tpu"
+
+
+def compiler_for(topology: partitioning.Topology) -> str:
+    """The XLA compiler that builds the step on this topology: CPU for 'cpu', else TPU's."""
+    return CPU if topology.name == "cpu" else TPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,13 +70,16 @@ class MemoryPlan:
     # Gradients the backward pass produces first (the output layer's and the embedding's),
     # already live while the activations are largest.
     first_gradients: int = 0
+    compiler: str = TPU
 
     @property
     def update_temporaries(self) -> int:
-        """Parameter-sized float32 buffers the update needs besides the gradients: the
-        normalized gradients and the optimizer's updates (XLA's buffer assignment of the step
-        shows both live while the new parameters are written)."""
-        return 2 * self.gradients
+        """Parameter-sized float32 buffers the update needs besides the gradients. XLA's CPU
+        compiler materializes two (the normalized gradients and the optimizer's updates, both
+        live while the new parameters are written); TPU's fuses each parameter's update into
+        one loop that writes the donated parameter in place, and keeps none (both read off
+        the compilers' buffer assignments of the step, docs/memory_plan.md)."""
+        return 2 * self.gradients if self.compiler == CPU else 0
 
     @property
     def phases(self) -> dict[str, int]:
@@ -229,9 +243,17 @@ def _stack_kept(act: _Activations, work: Workload, micro: int) -> float:
     return kept
 
 
-def activation_bytes(config: T5Config, rules, mesh: dict[str, int], work: Workload) -> int:
+def activation_bytes(
+    config: T5Config, rules, mesh: dict[str, int], work: Workload, compiler: str = TPU
+) -> int:
     """Bytes per device of the activations a (micro)batch keeps for its backward pass, at the
     point where the backward pass starts (where they peak)."""
+    if compiler == CPU:
+        # XLA's CPU scheduler runs every rematerialized layer's recomputation during the
+        # forward pass (its inputs are ready there), so all recomputed layers are live when
+        # the backward pass starts and the peak is that of no remat. TPU's recomputes each
+        # layer just before its backward pass.
+        config = dataclasses.replace(config, remat_policy="none")
     micro = work.batch_size // work.num_microbatches
     act = _Activations(config, rules, mesh, micro)
     L, T = work.input_length, work.target_length
@@ -256,7 +278,9 @@ def plan_training(
     work: Workload,
     num_devices: int,
 ) -> MemoryPlan:
-    """The per-device memory plan of `t5tpu train` with this model, optimizer and mesh."""
+    """The per-device memory plan of `t5tpu train` with this model, optimizer and mesh, as the
+    compiler of the partitioner's topology builds the step."""
+    compiler = compiler_for(partitioner.topology)
     mesh = partitioning.mesh_shape(num_devices, partitioner.num_partitions)
     boxed = boxed_params(config, work.input_length, work.target_length)
     rows = placements(boxed, partitioner.rules, mesh)
@@ -276,8 +300,9 @@ def plan_training(
         opt_state=opt_state_bytes(optimizer, boxed, partitioner.rules, mesh),
         gradients=params,
         first_gradients=first_gradients,
-        activations=activation_bytes(config, partitioner.rules, mesh, work),
+        activations=activation_bytes(config, partitioner.rules, mesh, work, compiler),
         batch=batch,
+        compiler=compiler,
     )
 
 

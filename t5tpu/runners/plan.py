@@ -77,7 +77,7 @@ def report(plan: memory_plan.MemoryPlan, options: list[memory_plan.Knob] = ()) -
         f"step: batch {w.batch_size}, inputs {w.input_length}, targets {w.target_length}, "
         f"{w.num_microbatches} microbatch(es) -> {per_device} examples per device at a time",
         "",
-        f"per device                     {_unit(plan)[0]}",
+        f"{f'per device ({plan.compiler.upper()} compiler)':31}{_unit(plan)[0]}",
         *(
             f"  {label:22} {value / _unit(plan)[1]:9.2f}"
             for label, value in (
