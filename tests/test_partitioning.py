@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
+from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 
 from t5tpu import optim, partitioning
@@ -163,20 +162,7 @@ def test_adamw_moments_are_sharded_like_their_parameters():
 @pytest.fixture(scope="module")
 def eight_devices():
     """Results of the 8-device worker (this file run as a script)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
-    run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_script_on_eight_devices(__file__)
 
 
 def test_every_mesh_trains_like_one_device(eight_devices):
@@ -233,7 +219,7 @@ def _worker() -> dict:
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())
     model = EncoderDecoderModel(T5Config(**GEOMETRY), vocabulary)
     optimizer = optim.adafactor(learning_rate=0.01)
-    batch = _batch(np.random.default_rng(0), 16, 16, 8)
+    batch = padded_batch(np.random.default_rng(0), 16, 16, 8)
     results = {}
     # One initial state for every run, placed on each mesh by its shardings.
     initial = jax.device_get(
@@ -346,26 +332,6 @@ def _worker() -> dict:
         for key in [cache["decoder"]["layers_0"][kind]["cached_key"]]
     }
     return results
-
-
-def _batch(rng, batch_size: int, input_length: int, target_length: int) -> dict:
-    """Random token ids with padding at the ends of rows, as the feature converter makes them."""
-    import numpy as np
-
-    def tokens(length):
-        ids = rng.integers(2, 1024, size=(batch_size, length)).astype(np.int32)
-        lengths = rng.integers(length // 2, length + 1, size=batch_size)
-        ids[np.arange(length)[None, :] >= lengths[:, None]] = 0
-        return ids
-
-    targets = tokens(target_length)
-    decoder_inputs = np.concatenate([np.zeros((batch_size, 1), np.int32), targets[:, :-1]], 1)
-    return {
-        "encoder_input_tokens": tokens(input_length),
-        "decoder_input_tokens": decoder_inputs,
-        "decoder_target_tokens": targets,
-        "decoder_loss_weights": (targets > 0).astype(np.float32),
-    }
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from fake_devices import run_script_on_eight_devices
 
 from t5tpu import memory_plan, optim, partitioning
 from t5tpu.network import T5Config
@@ -147,20 +148,7 @@ def test_cpu_and_tpu_compilers_differ_in_the_update_and_in_remat():
 def xla_analysis():
     """XLA's memory analysis of the compiled train step on 8 fake devices (this file as a
     script; the backend optimization level changes code generation, not buffer assignment)."""
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
-    run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__), "--cases", ",".join(CHECKED_CASES)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_script_on_eight_devices(__file__, "--cases", ",".join(CHECKED_CASES))
 
 
 @pytest.mark.parametrize("name", CHECKED_CASES)

@@ -11,8 +11,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
@@ -20,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 
 from t5tpu import checkpoints, decoding, layer_stacking, optim, partitioning, vocab
@@ -291,20 +290,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
 
 @pytest.fixture(scope="module")
 def train_steps():
-    env = dict(
-        os.environ,
-        XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
-    )
-    run = subprocess.run(
-        [sys.executable, os.path.abspath(__file__)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    return run_script_on_eight_devices(__file__)
 
 
 def test_scanned_train_step_on_a_2x4_mesh_equals_the_unrolled_step(train_steps):
@@ -335,7 +321,7 @@ def _worker() -> dict:
     assert jax.device_count() == 8
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())
     optimizer = optim.adafactor(learning_rate=0.01)
-    batch = _batch(np.random.default_rng(0), 16, 16, 8)
+    batch = padded_batch(np.random.default_rng(0), 16, 16, 8)
     config = T5Config(**TRAIN_GEOMETRY)
     unrolled_model = EncoderDecoderModel(config, vocabulary)
     params = jax.tree.map(lambda x: x / 3, random_params(config))  # order 0.1, as T5's init
@@ -397,23 +383,6 @@ def _worker() -> dict:
         ),
     }
     return results
-
-
-def _batch(rng, batch_size: int, input_length: int, target_length: int) -> dict:
-    def ids(length):
-        out = rng.integers(2, 1024, size=(batch_size, length)).astype(np.int32)
-        lengths = rng.integers(length // 2, length + 1, size=batch_size)
-        out[np.arange(length)[None, :] >= lengths[:, None]] = 0
-        return out
-
-    targets = ids(target_length)
-    decoder_inputs = np.concatenate([np.zeros((batch_size, 1), np.int32), targets[:, :-1]], 1)
-    return {
-        "encoder_input_tokens": ids(input_length),
-        "decoder_input_tokens": decoder_inputs,
-        "decoder_target_tokens": targets,
-        "decoder_loss_weights": (targets > 0).astype(np.float32),
-    }
 
 
 if __name__ == "__main__":
