@@ -110,6 +110,15 @@ def train_batches(
     return ds.prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
 
 
+def examples_in(batch: Mapping[str, np.ndarray]) -> int:
+    """Examples in a host batch: one per row, or, when packed, one per segment (a segment starts
+    where its decoder position is 0)."""
+    if "decoder_segment_ids" not in batch:
+        return len(batch["decoder_target_tokens"])
+    starts = (batch["decoder_positions"] == 0) & (batch["decoder_segment_ids"] > 0)
+    return int(starts.sum())
+
+
 def to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedSharding) -> dict:
     """This host's rows of a global batch -> global arrays sharded over the mesh's 'data' axis.
 

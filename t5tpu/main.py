@@ -12,6 +12,7 @@ import sys
 
 from absl import app, flags, logging
 
+from t5tpu import host_memory
 from t5tpu.errors import UserError, one_line_message
 
 # gin subcommands -> (module, runner function); gin supplies every argument.
@@ -171,6 +172,7 @@ def run_tool(name: str, argv: list[str]) -> None:
 
 def run() -> None:
     """Console-script entry point."""
+    host_memory.keep_freed_memory()  # before jax or TensorFlow start their threads
     # Our progress and results are printed; orbax, seqio and gin log routine notes as warnings
     # and errors (gin logs every search path it tries), so only fatal library logs show.
     logging.set_verbosity(logging.FATAL)

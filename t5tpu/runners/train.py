@@ -34,27 +34,34 @@ from t5tpu.runners.evaluate import TaskEvaluator
 
 
 class Progress:
-    """Console progress: step, loss, examples/s and ETA."""
+    """Console progress: step, loss, examples/s and ETA. Examples are counted as they are read
+    (packed rows hold several); on several hosts each counts its own share, scaled by the host
+    count."""
 
-    def __init__(self, first_step: int, last_step: int, batch_size: int):
+    def __init__(self, first_step: int, last_step: int):
         self.last_step = last_step
-        self.batch_size = batch_size
         self._mark = (first_step, time.time())
+        self._examples = 0
+
+    def add_examples(self, host_batch: dict) -> None:
+        self._examples += data.examples_in(host_batch) * jax.process_count()
 
     def report(self, step: int, metrics: dict) -> dict:
         mark_step, mark_time = self._mark
         now = time.time()
-        steps_per_s = (step - mark_step) / max(now - mark_time, 1e-9)
-        self._mark = (step, now)
+        seconds = max(now - mark_time, 1e-9)
+        steps_per_s = (step - mark_step) / seconds
+        examples_per_s = self._examples / seconds
+        self._mark, self._examples = (step, now), 0
         eta = (self.last_step - step) / max(steps_per_s, 1e-9)
         print(
             f"step {step}/{self.last_step}  loss {metrics['loss']:.4f}  "
             f"token_acc {metrics['token_accuracy']:.3f}  "
-            f"{steps_per_s * self.batch_size:.1f} examples/s  "
+            f"{examples_per_s:.1f} examples/s  "
             f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}",
             flush=True,
         )
-        return {"steps_per_sec": steps_per_s, "examples_per_sec": steps_per_s * self.batch_size}
+        return {"steps_per_sec": steps_per_s, "examples_per_sec": examples_per_s}
 
 
 def _start_state(model, optimizer, abstract, shardings, mngr, lengths, seed, initial_path):
@@ -173,7 +180,7 @@ def train(
     # replace the config of the run already in MODEL_DIR.
     gin_setup.write_operative_config(model_dir, "config.gin")
     dropout_seed = jax.random.PRNGKey(random_seed + 1)
-    progress = Progress(first_step, last_step, batch_size)
+    progress = Progress(first_step, last_step)
     preemption = PreemptionWatch()
     print(
         f"training steps {first_step}..{last_step} on {jax.device_count()} device(s), mesh "
@@ -182,7 +189,9 @@ def train(
     )
     try:
         for step in range(first_step + 1, last_step + 1):
-            batch = data.to_global(next(batches), partitioner.batch_sharding())
+            host_batch = next(batches)
+            progress.add_examples(host_batch)
+            batch = data.to_global(host_batch, partitioner.batch_sharding())
             state, metrics = step_fn(state, batch, dropout_seed)
             preempted = preemption.requested(step)
             save = step % save_period == 0 or step == last_step or preempted
