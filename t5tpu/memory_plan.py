@@ -201,19 +201,22 @@ class _Activations:
         return self(("batch", "heads", "length", None), shape, itemsize)
 
 
-def _layer_kept(act: _Activations, length: int, cross_length: int | None = None) -> float:
+def _layer_kept(
+    act: _Activations, length: int, cross_length: int | None = None, score_tensors: int = 2
+) -> float:
     """Bytes one layer keeps for its backward pass (no remat), counted from XLA's buffer
     assignment of the train step: per RMSNorm its two products, per residual add its sum; per
-    attention the query, key, value and output projections and two float32 score tensors (the
-    softmax and its exponentials); per feed-forward each input projection, its activation and
-    the gating products."""
+    attention the query, key, value and output projections and `score_tensors` float32 score
+    tensors (the softmax and its exponentials; across layers TPU's compiler keeps only the
+    softmax); per feed-forward each input projection,
+    its activation and the gating products."""
     c = act.config
     norms = 3 if cross_length else 2
     kept = 3 * norms * act.token(length, "embed", c.emb_dim)
-    kept += 4 * act.heads(length) + 2 * act.scores(length, length, 4)
+    kept += 4 * act.heads(length) + score_tensors * act.scores(length, length, 4)
     if cross_length:
         kept += 2 * act.heads(length) + 2 * act.heads(cross_length)
-        kept += 2 * act.scores(length, cross_length, 4)
+        kept += score_tensors * act.scores(length, cross_length, 4)
     kept += (3 * len(c.mlp_activations) - 1) * act.token(length, "mlp", c.mlp_dim)
     return kept
 
@@ -258,14 +261,18 @@ def activation_bytes(
     act = _Activations(config, rules, mesh, micro)
     L, T = work.input_length, work.target_length
     n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
-    enc, dec = _layer_kept(act, L), _layer_kept(act, T, L)
     if config.remat_policy == "none":
-        layers = n_enc * enc + n_dec * dec
+        # Kept from the forward pass until each layer's backward: TPU's compiler keeps one score
+        # tensor per attention (measured: T5 1.1 tiny at 512 tokens, docs/memory_plan.md).
+        scores = 2 if compiler == CPU else 1
+        layers = n_enc * _layer_kept(act, L, score_tensors=scores)
+        layers += n_dec * _layer_kept(act, T, L, score_tensors=scores)
     else:
         # Only layer inputs (and with 'dots' the projections) are kept; one layer at a time is
-        # recomputed in full during the backward pass.
+        # recomputed in full during the backward pass, with both score tensors live.
         layers = n_enc * act.token(L, "embed", config.emb_dim)
-        layers += n_dec * act.token(T, "embed", config.emb_dim) + max(enc, dec)
+        layers += n_dec * act.token(T, "embed", config.emb_dim)
+        layers += max(_layer_kept(act, L), _layer_kept(act, T, L))
         if config.remat_policy == "dots":
             layers += n_enc * _layer_dots(act, L) + n_dec * _layer_dots(act, T, L)
     return int(layers + _stack_kept(act, work, micro))

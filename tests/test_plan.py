@@ -109,8 +109,9 @@ def test_plan_says_what_to_turn_when_activations_do_not_fit():
     assert knobs[0].plan.fits
     # remat and microbatches shrink only the activations; parameters stay.
     remat = knobs[settings.index("T5Config.remat_policy = 'full'")].plan
-    # With two layers per stack, remat keeps one recomputed layer instead of both.
-    assert remat.activations < 0.6 * plan.activations and remat.params == plan.params
+    # With two layers per stack, remat keeps one recomputed layer (both score tensors live)
+    # instead of both layers' kept tensors (one score tensor each on TPU): 0.67 of them here.
+    assert remat.activations < 0.7 * plan.activations and remat.params == plan.params
 
 
 def test_2d_parameter_partitioning_divides_parameters_over_data():
@@ -139,9 +140,10 @@ def test_cpu_and_tpu_compilers_differ_in_the_update_and_in_remat():
     assert (cpu.compiler, tpu.compiler) == ("cpu", "tpu")
     update = "optimizer update"
     assert cpu.phases[update] - tpu.phases[update] == 2 * cpu.gradients == 2 * cpu.params
-    no_remat = _plan(dataclasses.replace(config, remat_policy="none"), work, devices=8)
-    assert cpu.activations == no_remat.activations
-    assert tpu.activations < 0.6 * no_remat.activations
+    no_remat = dataclasses.replace(config, remat_policy="none")
+    cpu_no_remat = memory_plan.plan_training(no_remat, optim.adafactor(), cpu_topology, work, 8)
+    assert cpu.activations == cpu_no_remat.activations
+    assert tpu.activations < 0.7 * _plan(no_remat, work, devices=8).activations
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +172,16 @@ def t5tpu(*args):
 
 
 def test_plan_command_on_a_v2_8_experiment():
-    """squad_v1_base_v2-8 without its remat setting: the plan says it does not fit, and which
+    """squad_v1_large_v2-8 without its remat setting: the plan says it does not fit, and which
     knob fixes it; the table lists every parameter role with its logical and mesh axes."""
     run = t5tpu(
         "plan",
-        "--gin_file=configs/experiments/squad_v1_base_v2-8.gin",
+        "--gin_file=configs/experiments/squad_v1_large_v2-8.gin",
         "--gin.T5Config.remat_policy='none'",
     )
     assert run.returncode == 0, run.stderr[-2000:]
     out = run.stdout
-    assert "topology v2-8: 8 devices on 1 host(s), 8 GiB HBM per device; mesh data=4 x model=2" in (
+    assert "topology v2-8: 8 devices on 1 host(s), 8 GiB HBM per device; mesh data=1 x model=8" in (
         out
     )
     assert "remat none" in out and "DOES NOT FIT: peak" in out
@@ -187,10 +189,11 @@ def test_plan_command_on_a_v2_8_experiment():
     assert knobs[1].strip().startswith("T5Config.remat_policy = 'full': peak")
     assert knobs[1].strip().endswith("(fits)")
     assert re.search(
-        r"encoder/layers_\*/mlp/wi/kernel +x12 +\(768, 3072\) +\(embed, mlp\) +-> \(-, model\)", out
+        r"encoder/layers_\*/mlp/wi/kernel +x24 +\(1024, 4096\) +\(embed, mlp\) +-> \(-, model\)",
+        out,
     )
-    assert re.search(r"token_embedder/embedding +x1 +\(32128, 768\) .*-> \(model, -\)", out)
-    assert len(re.findall(r" x(12|1) +\(", out)) == 26  # every parameter role of T5 1.0 base
+    assert re.search(r"token_embedder/embedding +x1 +\(32128, 1024\) .*-> \(model, -\)", out)
+    assert len(re.findall(r" x(24|1) +\(", out)) == 26  # every parameter role of T5 1.0 large
 
 
 def test_docs_table_matches_the_plans():
