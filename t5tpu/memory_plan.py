@@ -208,8 +208,7 @@ def _layer_kept(
     assignment of the train step: per RMSNorm its two products, per residual add its sum; per
     attention the query, key, value and output projections and `score_tensors` float32 score
     tensors (the softmax and its exponentials; across layers TPU's compiler keeps only the
-    softmax); per feed-forward each input projection,
-    its activation and the gating products."""
+    softmax); per feed-forward each input projection, its activation and the gating products."""
     c = act.config
     norms = 3 if cross_length else 2
     kept = 3 * norms * act.token(length, "embed", c.emb_dim)

@@ -35,16 +35,17 @@ from t5tpu.runners.evaluate import TaskEvaluator
 
 class Progress:
     """Console progress: step, loss, examples/s and ETA. Examples are counted as they are read
-    (packed rows hold several); on several hosts each counts its own share, scaled by the host
-    count."""
+    (packed rows hold several); a host reads one of `num_shards` shards of each global batch, so
+    its count is scaled by that number."""
 
-    def __init__(self, first_step: int, last_step: int):
+    def __init__(self, first_step: int, last_step: int, num_shards: int = 1):
         self.last_step = last_step
+        self.num_shards = num_shards
         self._mark = (first_step, time.time())
         self._examples = 0
 
     def add_examples(self, host_batch: dict) -> None:
-        self._examples += data.examples_in(host_batch) * jax.process_count()
+        self._examples += data.examples_in(host_batch) * self.num_shards
 
     def report(self, step: int, metrics: dict) -> dict:
         mark_step, mark_time = self._mark
@@ -151,6 +152,7 @@ def train(
         return state
 
     step_fn = trainer.compile_train_step(model, optimizer, shardings, partitioner, num_microbatches)
+    layout = partitioner.data_layout(batch_size)
     batches = data.train_batches(
         mixture_or_task_name,
         task_feature_lengths,
@@ -158,7 +160,7 @@ def train(
         random_seed,
         use_packing,
         start_step=first_step,
-        layout=partitioner.data_layout(batch_size),
+        layout=layout,
     )
     evaluator = None
     if eval_period:
@@ -180,7 +182,7 @@ def train(
     # replace the config of the run already in MODEL_DIR.
     gin_setup.write_operative_config(model_dir, "config.gin")
     dropout_seed = jax.random.PRNGKey(random_seed + 1)
-    progress = Progress(first_step, last_step)
+    progress = Progress(first_step, last_step, layout.num_shards)
     preemption = PreemptionWatch()
     print(
         f"training steps {first_step}..{last_step} on {jax.device_count()} device(s), mesh "
