@@ -4,11 +4,12 @@ Parameters, optimizer state and gradients are counted exactly from their shapes 
 shardings the logical axis rules give them on the topology's mesh. Activations are estimated
 from the tensors the backward pass keeps, layer by layer, at the configured batch, lengths,
 remat policy and microbatches, with coefficients read off XLA's buffer assignment of the real
-train step. Two things depend on the compiler that builds the step, and the plan follows the
+train step. Three things depend on the compiler that builds the step, and the plan follows the
 one the topology implies (XLA's CPU compiler for the 'cpu' topology, TPU's for the others):
-whether the optimizer update materializes parameter-sized temporaries, and whether remat is
-honoured. tests/test_plan.py checks the plan against XLA's compiled memory analysis on every
-run; docs/memory_plan.md says how close it is, for both compilers.
+which tensors a layer keeps, whether the optimizer update materializes parameter-sized
+temporaries, and whether remat is honoured. tests/test_plan.py checks the plan against XLA's
+compiled memory analysis on every run; docs/memory_plan.md says how close it is, for both
+compilers.
 """
 
 from __future__ import annotations
@@ -71,6 +72,10 @@ class MemoryPlan:
     # already live while the activations are largest.
     first_gradients: int = 0
     compiler: str = TPU
+    # The backward pass runs through the decoder first: when it is done, the decoder's
+    # gradients exist and the encoder's activations are still kept.
+    encoder_activations: int = 0
+    decoder_gradients: int = 0
 
     @property
     def update_temporaries(self) -> int:
@@ -83,15 +88,21 @@ class MemoryPlan:
 
     @property
     def phases(self) -> dict[str, int]:
-        """Per-device bytes at the two candidate peaks of the step: the start of the backward
-        pass (state, kept activations, the first gradients or, with microbatches, the gradient
-        accumulator) and the optimizer update (state, gradients and the update's temporaries)."""
+        """Per-device bytes at the three candidate peaks of the step: the start of the
+        backward pass (state, kept activations, the first gradients or, with microbatches,
+        the gradient accumulator), the end of the decoder's backward pass (the encoder's
+        activations, the first and the decoder's gradients) and the optimizer update (state,
+        gradients and the update's temporaries)."""
         state = self.params + self.opt_state + self.batch
         accumulator = self.gradients if self.workload.num_microbatches > 1 else 0
+        decoder_done = self.first_gradients + self.decoder_gradients
         return {
             "start of the backward pass": state
             + self.activations
             + max(accumulator, self.first_gradients),
+            "end of the decoder's backward pass": state
+            + self.encoder_activations
+            + max(accumulator, decoder_done),
             "optimizer update": state + self.gradients + self.update_temporaries,
         }
 
@@ -202,21 +213,31 @@ class _Activations:
 
 
 def _layer_kept(
-    act: _Activations, length: int, cross_length: int | None = None, score_tensors: int = 2
+    act: _Activations, length: int, cross_length: int | None, compiler: str, recomputed=False
 ) -> float:
-    """Bytes one layer keeps for its backward pass (no remat), counted from XLA's buffer
-    assignment of the train step: per RMSNorm its two products, per residual add its sum; per
-    attention the query, key, value and output projections and `score_tensors` float32 score
-    tensors (the softmax and its exponentials; across layers TPU's compiler keeps only the
-    softmax); per feed-forward each input projection, its activation and the gating products."""
+    """Bytes one layer keeps for its backward pass, counted from the compilers' buffer
+    assignments of the train step (docs/memory_plan.md). Per attention both compilers keep the
+    query, key, value and output projections. XLA's CPU compiler also keeps, per RMSNorm, the
+    residual sum and the norm's two products; per attention two float32 score tensors (the
+    softmax and its exponentials); per feed-forward each input projection, its activation and
+    the gating products. TPU's fuses the norms and the feed-forward's activation and gating
+    into the matmuls that read them and recomputes them in the backward pass: it keeps the
+    residual sums, the self-attention's normalized input (read by three projections), the
+    feed-forward's input projections and one score tensor (the softmax; both while remat
+    recomputes the layer)."""
     c = act.config
     norms = 3 if cross_length else 2
-    kept = 3 * norms * act.token(length, "embed", c.emb_dim)
-    kept += 4 * act.heads(length) + score_tensors * act.scores(length, length, 4)
+    n_mlp = len(c.mlp_activations)
+    if compiler == CPU:
+        embed, mlp, scores = 3 * norms, 3 * n_mlp - 1, 2
+    else:
+        embed, mlp, scores = norms + 1, n_mlp, 2 if recomputed else 1
+    kept = embed * act.token(length, "embed", c.emb_dim)
+    kept += 4 * act.heads(length) + scores * act.scores(length, length, 4)
     if cross_length:
         kept += 2 * act.heads(length) + 2 * act.heads(cross_length)
-        kept += score_tensors * act.scores(length, cross_length, 4)
-    kept += (3 * len(c.mlp_activations) - 1) * act.token(length, "mlp", c.mlp_dim)
+        kept += scores * act.scores(length, cross_length, 4)
+    kept += mlp * act.token(length, "mlp", c.mlp_dim)
     return kept
 
 
@@ -233,23 +254,36 @@ def _layer_dots(act: _Activations, length: int, cross_length: int | None = None)
     return kept
 
 
-def _stack_kept(act: _Activations, work: Workload, micro: int) -> float:
-    """What the network keeps outside its layers: embedding lookups and final norms, the
-    one-hot relative position buckets (float32, not batched), and the float32 logits with the
-    gradient of the cross-entropy."""
+def _stack_kept(act: _Activations, length: int, logits: bool) -> float:
+    """What a stack keeps outside its layers: its embedding lookups and final norm, the
+    one-hot relative position buckets (float32, not batched) and, for the decoder, the
+    float32 logits with the gradient of the cross-entropy."""
     c = act.config
-    L, T = work.input_length, work.target_length
-    kept = 4 * act.token(L, "embed", c.emb_dim) + 4 * act.token(T, "embed", c.emb_dim)
-    kept += (L * L + T * T) * c.relative_attention_num_buckets * 4
-    kept += 2 * act(("batch", "length", "vocab"), (micro, T, c.vocab_size), 4)
+    kept = 4 * act.token(length, "embed", c.emb_dim)
+    kept += length * length * c.relative_attention_num_buckets * 4
+    if logits:
+        kept += 2 * act(("batch", "length", "vocab"), (act.batch, length, c.vocab_size), 4)
+    return kept
+
+
+def _stack_layers_kept(act: _Activations, num_layers: int, length: int, cross_length, compiler):
+    """What a stack's layers keep: everything without remat; with remat each layer's input
+    (and with 'dots' its projections; the caller adds the one layer recomputed at a time)."""
+    c = act.config
+    if c.remat_policy == "none":
+        return num_layers * _layer_kept(act, length, cross_length, compiler)
+    kept = num_layers * act.token(length, "embed", c.emb_dim)
+    if c.remat_policy == "dots":
+        kept += num_layers * _layer_dots(act, length, cross_length)
     return kept
 
 
 def activation_bytes(
     config: T5Config, rules, mesh: dict[str, int], work: Workload, compiler: str = TPU
-) -> int:
-    """Bytes per device of the activations a (micro)batch keeps for its backward pass, at the
-    point where the backward pass starts (where they peak)."""
+) -> tuple[int, int]:
+    """Bytes per device of the activations a (micro)batch keeps for its backward pass: all of
+    them (where the backward pass starts) and the encoder's (where the decoder's backward
+    pass ends)."""
     if compiler == CPU:
         # XLA's CPU scheduler runs every rematerialized layer's recomputation during the
         # forward pass (its inputs are ready there), so all recomputed layers are live when
@@ -259,22 +293,18 @@ def activation_bytes(
     micro = work.batch_size // work.num_microbatches
     act = _Activations(config, rules, mesh, micro)
     L, T = work.input_length, work.target_length
-    n_enc, n_dec = config.num_encoder_layers, config.num_decoder_layers
-    if config.remat_policy == "none":
-        # Kept from the forward pass until each layer's backward: TPU's compiler keeps one score
-        # tensor per attention (measured: T5 1.1 tiny at 512 tokens, docs/memory_plan.md).
-        scores = 2 if compiler == CPU else 1
-        layers = n_enc * _layer_kept(act, L, score_tensors=scores)
-        layers += n_dec * _layer_kept(act, T, L, score_tensors=scores)
-    else:
-        # Only layer inputs (and with 'dots' the projections) are kept; one layer at a time is
-        # recomputed in full during the backward pass, with both score tensors live.
-        layers = n_enc * act.token(L, "embed", config.emb_dim)
-        layers += n_dec * act.token(T, "embed", config.emb_dim)
-        layers += max(_layer_kept(act, L), _layer_kept(act, T, L))
-        if config.remat_policy == "dots":
-            layers += n_enc * _layer_dots(act, L) + n_dec * _layer_dots(act, T, L)
-    return int(layers + _stack_kept(act, work, micro))
+    encoder = _stack_layers_kept(act, config.num_encoder_layers, L, None, compiler)
+    encoder += _stack_kept(act, L, logits=False)
+    decoder = _stack_layers_kept(act, config.num_decoder_layers, T, L, compiler)
+    decoder += _stack_kept(act, T, logits=True)
+    if config.remat_policy != "none":
+        # One layer at a time is recomputed in full during the backward pass; counted with the
+        # encoder's activations, as the encoder's last layer is next when the decoder is done.
+        encoder += max(
+            _layer_kept(act, L, None, compiler, recomputed=True),
+            _layer_kept(act, T, L, compiler, recomputed=True),
+        )
+    return int(encoder + decoder), int(encoder)
 
 
 def plan_training(
@@ -293,6 +323,14 @@ def plan_training(
     params = sum(p.bytes_per_device for p in rows)
     output_layers = ("token_embedder/embedding", "decoder/logits_dense/kernel")
     first_gradients = sum(p.bytes_per_device for p in rows if p.name in output_layers)
+    decoder_gradients = sum(
+        p.bytes_per_device
+        for p in rows
+        if p.name.startswith("decoder/") and p.name not in output_layers
+    )
+    activations, encoder_activations = activation_bytes(
+        config, partitioner.rules, mesh, work, compiler
+    )
     # The batch: int32 tokens of the encoder and the decoder (inputs, targets, loss weights).
     per_device_batch = work.batch_size / mesh["data"]
     batch = int(per_device_batch * (work.input_length + 3 * work.target_length) * 4)
@@ -306,7 +344,9 @@ def plan_training(
         opt_state=opt_state_bytes(optimizer, boxed, partitioner.rules, mesh),
         gradients=params,
         first_gradients=first_gradients,
-        activations=activation_bytes(config, partitioner.rules, mesh, work, compiler),
+        activations=activations,
+        encoder_activations=encoder_activations,
+        decoder_gradients=decoder_gradients,
         batch=batch,
         compiler=compiler,
     )

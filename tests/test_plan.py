@@ -110,8 +110,8 @@ def test_plan_says_what_to_turn_when_activations_do_not_fit():
     # remat and microbatches shrink only the activations; parameters stay.
     remat = knobs[settings.index("T5Config.remat_policy = 'full'")].plan
     # With two layers per stack, remat keeps one recomputed layer (both score tensors live)
-    # instead of both layers' kept tensors (one score tensor each on TPU): 0.67 of them here.
-    assert remat.activations < 0.7 * plan.activations and remat.params == plan.params
+    # instead of both layers' kept tensors (one score tensor each on TPU): 0.73 of them here.
+    assert remat.activations < 0.75 * plan.activations and remat.params == plan.params
 
 
 def test_2d_parameter_partitioning_divides_parameters_over_data():
@@ -327,6 +327,8 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
                 f"T5Config.remat_policy = '{case.remat}'",
                 "default_vocabulary.sentencepiece_model_file = @bundled_vocabulary_file()",
                 "default_vocabulary.extra_ids = 0",
+                # as the TPU topologies run it; CPU's compiler converts bfloat16 to float32
+                f"T5Config.dtype = '{'bfloat16' if tpu_topology else 'float32'}'",
             ],
             [],
         )
