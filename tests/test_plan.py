@@ -43,6 +43,7 @@ class XlaCase:
     model_parallelism: int = 1
     remat: str = "none"
     microbatches: int = 1
+    encoder_layers: int | None = None  # None: the model file's
 
 
 # Every row of the docs table, by name. tiny's peak is at the start of the backward pass
@@ -57,6 +58,12 @@ XLA_CASES = {
     "tiny_2x4": XlaCase("tiny", 64, 128, 16, model_parallelism=4),
     "tiny_dots": XlaCase("tiny", 64, 128, 16, remat="dots"),
     "tiny_full": XlaCase("tiny", 64, 128, 16, remat="full"),
+}
+# For TPU's compiler only (--tpu v2:2x2 --cases ...): the SQuAD experiments' 512-token inputs,
+# scaled down to tiny with 12 encoder layers (the docs' second table).
+LONG_INPUT_CASES = {
+    f"tiny12_512_{remat}": XlaCase("tiny", 128, 512, 32, 2, remat, encoder_layers=12)
+    for remat in ("none", "full")
 }
 # The rows every test run compiles on CPU: each mechanism the plan models on its own (data
 # and model parallelism, microbatches, both kinds of peak). The CPU compiler departs from
@@ -301,25 +308,61 @@ def _echo_path() -> str:
 # ----- the 8-device worker: XLA's view of the compiled train step ------------------------------
 
 
+def _xla_memory(model, optimizer, partitioner, work: memory_plan.Workload) -> dict:
+    """XLA's compiled memory analysis of the real train step: its peak and argument bytes."""
+    import jax
+    import jax.numpy as jnp
+
+    from t5tpu import trainer
+
+    lengths = (work.input_length, work.target_length)
+    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    step = trainer.compile_train_step(
+        model, optimizer, shardings, partitioner, work.num_microbatches
+    )
+    rows, (encoder, decoder) = work.batch_size, lengths
+    shapes = {  # what the feature converter gives the train step (int32 each)
+        "encoder_input_tokens": (rows, encoder),
+        "decoder_input_tokens": (rows, decoder),
+        "decoder_target_tokens": (rows, decoder),
+        "decoder_loss_weights": (rows, decoder),
+    }
+    abstract_batch = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in shapes.items()}
+    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    memory = step.lower(abstract, abstract_batch, seed).compile().memory_analysis()
+    return {
+        "xla_peak": memory.argument_size_in_bytes
+        + memory.temp_size_in_bytes
+        + memory.output_size_in_bytes
+        - memory.alias_size_in_bytes,
+        "xla_arguments": memory.argument_size_in_bytes,
+    }
+
+
+def _tpu_devices(topology: str) -> list:
+    """Compile-only devices of a TPU slice, e.g. 'v3:2x2' (needs libtpu, no TPU)."""
+    from jax.experimental import topologies
+
+    return list(topologies.get_topology_desc(topology, "tpu").devices)
+
+
 def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     """{case name: XLA's peak and arguments, the plan's peak and state} for the named cases,
     compiled for the 8 (fake) CPU devices, or with `tpu_topology` (e.g. 'v3:2x2') for that
     TPU slice's compile-only devices (needs libtpu, no TPU)."""
-    import jax
-    import jax.numpy as jnp
-
-    from t5tpu import gin_setup, trainer
+    from t5tpu import gin_setup
     from t5tpu.model import EncoderDecoderModel
 
     devices, topology = None, partitioning.Topology()  # the 'cpu' topology: CPU's compiler
     if tpu_topology:
-        from jax.experimental import topologies
-
-        devices = list(topologies.get_topology_desc(tpu_topology, "tpu").devices)
+        devices = _tpu_devices(tpu_topology)
         topology = partitioning.Topology(tpu_topology, len(devices))
     results = {}
     for name in names:
-        case = XLA_CASES[name]
+        case = (XLA_CASES | LONG_INPUT_CASES)[name]
+        layers = []
+        if case.encoder_layers is not None:
+            layers = [f"T5Config.num_encoder_layers = {case.encoder_layers}"]
         gin_setup.parse(
             [f"configs/models/t5_1_1/{case.size}.gin"],
             [
@@ -329,38 +372,61 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
                 "default_vocabulary.extra_ids = 0",
                 # as the TPU topologies run it; CPU's compiler converts bfloat16 to float32
                 f"T5Config.dtype = '{'bfloat16' if tpu_topology else 'float32'}'",
+                *layers,
             ],
             [],
         )
         model, optimizer = EncoderDecoderModel(), optim.adafactor()
         partitioner = partitioning.Partitioner(case.model_parallelism, None, topology, devices)
-        lengths = (case.input_length, case.target_length)
-        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
-        step = trainer.compile_train_step(
-            model, optimizer, shardings, partitioner, case.microbatches
+        work = memory_plan.Workload(
+            case.batch, case.input_length, case.target_length, case.microbatches
         )
-        rows, (encoder, decoder) = case.batch, lengths
-        shapes = {  # what the feature converter gives the train step (int32 each)
-            "encoder_input_tokens": (rows, encoder),
-            "decoder_input_tokens": (rows, decoder),
-            "decoder_target_tokens": (rows, decoder),
-            "decoder_loss_weights": (rows, decoder),
-        }
-        abstract_batch = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in shapes.items()}
-        seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-        memory = step.lower(abstract, abstract_batch, seed).compile().memory_analysis()
-        work = memory_plan.Workload(case.batch, *lengths, case.microbatches)
         plan = memory_plan.plan_training(model.config, optimizer, partitioner, work, 8)
-        results[name] = {
-            "xla_peak": memory.argument_size_in_bytes
-            + memory.temp_size_in_bytes
-            + memory.output_size_in_bytes
-            - memory.alias_size_in_bytes,
-            "xla_arguments": memory.argument_size_in_bytes,
+        results[name] = _xla_memory(model, optimizer, partitioner, work) | {
             "plan_peak": plan.peak,
             "plan_state": plan.params + plan.opt_state + plan.batch,
         }
     return results
+
+
+# Compile-only device descriptions of the single-host slices the experiments name.
+TPU_SLICES = {
+    "v2-8": "v2:2x2",
+    "v3-8": "v3:2x2",
+    "v4-8": "v4:2x2x1",
+    "v5e-8": "v5e:2x4",
+    "v5p-8": "v5p:2x2x1",
+    "v6e-8": "v6e:2x4",
+}
+
+
+def _xla_experiment(name: str, bindings: list[str]) -> dict:
+    """TPU's compiler against `t5tpu plan` for an experiment file (plus gin bindings), on its
+    slice's compile-only devices: the second table of docs/memory_plan.md."""
+    import contextlib
+    import io
+
+    import seqio
+
+    from t5tpu import gin_setup
+    from t5tpu.model import EncoderDecoderModel
+    from t5tpu.runners import plan as plan_runner
+
+    gin_setup.parse([f"configs/experiments/{name}.gin"], bindings, [])
+    with contextlib.redirect_stdout(io.StringIO()):
+        plan = plan_runner.plan()
+    given = plan_runner._setting("partitioner", None) or partitioning.Partitioner()
+    devices = _tpu_devices(TPU_SLICES[given.topology.name])
+    partitioner = partitioning.Partitioner(
+        given.num_partitions, given.rules, given.topology, devices
+    )
+    # The train step needs only the vocabulary's size (the real one may be on gs://).
+    model = EncoderDecoderModel(plan.config, seqio.PassThroughVocabulary(plan.config.vocab_size))
+    optimizer = plan_runner._setting("optimizer", None)
+    return _xla_memory(model, optimizer, partitioner, plan.workload) | {
+        "plan_peak": plan.peak,
+        "plan_phase": plan.peak_phase,
+    }
 
 
 if __name__ == "__main__":
@@ -369,5 +435,10 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="XLA's memory analysis against the plan")
     parser.add_argument("--cases", default=",".join(XLA_CASES), help="comma-separated names")
     parser.add_argument("--tpu", help="a TPU topology to compile for, e.g. v3:2x2 (libtpu)")
+    parser.add_argument("--experiment", help="an experiment for TPU, e.g. squad_v1_3B_v2-8")
+    parser.add_argument("--binding", action="append", default=[], help="gin, with --experiment")
     args = parser.parse_args()
-    print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
+    if args.experiment:
+        print(json.dumps(_xla_experiment(args.experiment, args.binding)))
+    else:
+        print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
