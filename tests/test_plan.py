@@ -17,6 +17,7 @@ import pytest
 from fake_devices import run_script_on_eight_devices
 
 from t5tpu import memory_plan, optim, partitioning
+from t5tpu.errors import UserError
 from t5tpu.network import T5Config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -357,9 +358,12 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     if tpu_topology:
         devices = _tpu_devices(tpu_topology)
         topology = partitioning.Topology(tpu_topology, len(devices))
+    cases = XLA_CASES | LONG_INPUT_CASES
+    if unknown := [name for name in names if name not in cases]:
+        raise UserError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(cases)}")
     results = {}
     for name in names:
-        case = (XLA_CASES | LONG_INPUT_CASES)[name]
+        case = cases[name]
         layers = []
         if case.encoder_layers is not None:
             layers = [f"T5Config.num_encoder_layers = {case.encoder_layers}"]
@@ -416,6 +420,11 @@ def _xla_experiment(name: str, bindings: list[str]) -> dict:
     with contextlib.redirect_stdout(io.StringIO()):
         plan = plan_runner.plan()
     given = plan_runner._setting("partitioner", None) or partitioning.Partitioner()
+    if given.topology.name not in TPU_SLICES:
+        raise UserError(
+            f"{name} runs on {given.topology.name!r}, which has no compile-only TPU devices "
+            f"here; pick an experiment for one of {', '.join(TPU_SLICES)}"
+        )
     devices = _tpu_devices(TPU_SLICES[given.topology.name])
     partitioner = partitioning.Partitioner(
         given.num_partitions, given.rules, given.topology, devices
@@ -438,7 +447,11 @@ if __name__ == "__main__":
     parser.add_argument("--experiment", help="an experiment for TPU, e.g. squad_v1_3B_v2-8")
     parser.add_argument("--binding", action="append", default=[], help="gin, with --experiment")
     args = parser.parse_args()
-    if args.experiment:
-        print(json.dumps(_xla_experiment(args.experiment, args.binding)))
-    else:
-        print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
+    try:
+        if args.experiment:
+            print(json.dumps(_xla_experiment(args.experiment, args.binding)))
+        else:
+            print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
+    except UserError as e:  # a missing experiment, a bad binding, a slice without devices
+        print(f"test_plan.py: error: {e}", file=sys.stderr)
+        sys.exit(2)
