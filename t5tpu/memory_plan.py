@@ -212,19 +212,34 @@ class _Activations:
         return self(("batch", "heads", "length", None), shape, itemsize)
 
 
+# XLA's CPU compiler hands an op to YNNPACK when it or an operand has at least this many
+# elements (kMinElements in XLA's backends/cpu/ynn_support.cc).
+_CPU_YNN_MIN_ELEMENTS = 4096
+
+
+def _ynn_norm_copies(act: _Activations, length: int, compiler: str) -> int:
+    """Embed-sized tensors an RMSNorm keeps on CPU beyond its residual sum and two products:
+    once a device's tokens (the elements of the norm's sum over the embedding) reach
+    YNNPACK's minimum, XLA's CPU compiler hands the norm's backward pass to YNNPACK and keeps
+    that fusion's operands, the norm's scale broadcast to the activation's shape and a
+    second copy of the normalized product."""
+    tokens = act(("batch", "length"), (act.batch, length), 1)
+    return 2 if compiler == CPU and tokens >= _CPU_YNN_MIN_ELEMENTS else 0
+
+
 def _layer_kept(
     act: _Activations, length: int, cross_length: int | None, compiler: str, recomputed=False
 ) -> float:
     """Bytes one layer keeps for its backward pass, counted from the compilers' buffer
     assignments of the train step (docs/memory_plan.md). Per attention both compilers keep the
     query, key, value and output projections. XLA's CPU compiler also keeps, per RMSNorm, the
-    residual sum and the norm's two products; per attention two float32 score tensors (the
-    softmax and its exponentials); per feed-forward each input projection, its activation and
-    the gating products. TPU's fuses the norms and the feed-forward's activation and gating
-    into the matmuls that read them and recomputes them in the backward pass: it keeps the
-    residual sums, the self-attention's normalized input (read by three projections), the
-    feed-forward's input projections and one score tensor (the softmax; both while remat
-    recomputes the layer)."""
+    residual sum and the norm's two products (and `_ynn_norm_copies`); per attention two
+    float32 score tensors (the softmax and its exponentials); per feed-forward each input
+    projection, its activation and the gating products. TPU's fuses the norms and the
+    feed-forward's activation and gating into the matmuls that read them and recomputes them
+    in the backward pass: it keeps the residual sums, the self-attention's normalized input
+    (read by three projections), the feed-forward's input projections and one score tensor
+    (the softmax; both while remat recomputes the layer)."""
     c = act.config
     norms = 3 if cross_length else 2
     n_mlp = len(c.mlp_activations)
@@ -232,6 +247,7 @@ def _layer_kept(
         embed, mlp, scores = 3 * norms, 3 * n_mlp - 1, 2
     else:
         embed, mlp, scores = norms + 1, n_mlp, 2 if recomputed else 1
+    embed += norms * _ynn_norm_copies(act, length, compiler)
     kept = embed * act.token(length, "embed", c.emb_dim)
     kept += 4 * act.heads(length) + scores * act.scores(length, length, 4)
     if cross_length:
@@ -254,12 +270,13 @@ def _layer_dots(act: _Activations, length: int, cross_length: int | None = None)
     return kept
 
 
-def _stack_kept(act: _Activations, length: int, logits: bool) -> float:
+def _stack_kept(act: _Activations, length: int, logits: bool, compiler: str) -> float:
     """What a stack keeps outside its layers: its embedding lookups and final norm, the
     one-hot relative position buckets (float32, not batched) and, for the decoder, the
     float32 logits with the gradient of the cross-entropy."""
     c = act.config
-    kept = 4 * act.token(length, "embed", c.emb_dim)
+    embed = 4 + _ynn_norm_copies(act, length, compiler)
+    kept = embed * act.token(length, "embed", c.emb_dim)
     kept += length * length * c.relative_attention_num_buckets * 4
     if logits:
         kept += 2 * act(("batch", "length", "vocab"), (act.batch, length, c.vocab_size), 4)
@@ -294,9 +311,9 @@ def activation_bytes(
     act = _Activations(config, rules, mesh, micro)
     L, T = work.input_length, work.target_length
     encoder = _stack_layers_kept(act, config.num_encoder_layers, L, None, compiler)
-    encoder += _stack_kept(act, L, logits=False)
+    encoder += _stack_kept(act, L, logits=False, compiler=compiler)
     decoder = _stack_layers_kept(act, config.num_decoder_layers, T, L, compiler)
-    decoder += _stack_kept(act, T, logits=True)
+    decoder += _stack_kept(act, T, logits=True, compiler=compiler)
     if config.remat_policy != "none":
         # One layer at a time is recomputed in full during the backward pass; counted with the
         # encoder's activations, as the encoder's last layer is next when the decoder is done.
