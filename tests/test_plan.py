@@ -401,6 +401,12 @@ TPU_SLICES = {
     "v5e-8": "v5e:2x4",
     "v5p-8": "v5p:2x2x1",
     "v6e-8": "v6e:2x4",
+    # Pod slices: several hosts' devices, compiled from this one process.
+    "v3-32": "v3:4x4",
+    "v3-128": "v3:8x8",
+    "v4-32": "v4:2x2x4",
+    "v4-128": "v4:4x4x4",
+    "v5e-64": "v5e:8x8",
 }
 
 
