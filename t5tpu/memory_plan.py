@@ -119,6 +119,14 @@ class MemoryPlan:
         return self.topology.hbm_bytes_per_device
 
     @property
+    def parameters_over_data(self) -> bool:
+        """Whether parameters are sharded over 'data' too (2-D parameter partitioning), so
+        each layer gathers its weights over 'data' and reduce-scatters their gradients."""
+        return self.mesh["data"] > 1 and any(
+            "data" in jax.tree_util.tree_leaves(tuple(p.spec)) for p in self.placements
+        )
+
+    @property
     def fits(self) -> bool | None:
         return None if self.hbm is None else self.peak <= self.hbm
 
