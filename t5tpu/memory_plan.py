@@ -220,8 +220,10 @@ class _Activations:
         return self(("batch", "heads", "length", None), shape, itemsize)
 
 
-# XLA's CPU compiler hands an op to YNNPACK when it or an operand has at least this many
-# elements (kMinElements in XLA's backends/cpu/ynn_support.cc).
+# The size from which XLA's CPU compiler prefers YNNPACK for an op (kMinElements in XLA's
+# backends/cpu/ynn_support.cc). For an RMSNorm's backward pass the size that counts is that of
+# its sum over the embedding, one element per token: bracketed on 8x1 meshes, 3,968 tokens a
+# device stay with XLA's own fusions, 4,096 go to YNNPACK.
 _CPU_YNN_MIN_ELEMENTS = 4096
 
 
