@@ -3,6 +3,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# TPU's compiler, for the tests of `t5tpu plan`'s compile: beside .venv, not in it (installed,
+# libtpu makes every jax start on a machine without TPUs print its complaints).
+LIBTPU=$(grep '^libtpu==' constraints.txt)
+if [ ! -d ".libtpu/${LIBTPU/==/-}.dist-info" ]; then
+  .venv/bin/python -m pip install -q --no-deps --upgrade --target .libtpu "$LIBTPU"
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two workers, each test file on one of them (its module fixtures built once): the suite is

@@ -72,12 +72,15 @@ class Topology:
 
     A device is what jax.devices() lists: a TensorCore on v2/v3, a (megacore) chip on v4/v5p,
     a chip on v5e/v6e. `num_devices=None` (the cpu topology) means whatever is visible.
+    `tpu_topology` is libtpu's name for the slice (generation:chip grid, e.g. 'v3:2x2' for a
+    v3-8), which `t5tpu plan` compiles for without a TPU.
     """
 
     name: str = "cpu"
     num_devices: int | None = None
     num_hosts: int = 1
     hbm_gib_per_device: float | None = None
+    tpu_topology: str | None = None
 
     @property
     def hbm_bytes_per_device(self) -> int | None:

@@ -142,6 +142,25 @@ def test_2d_parameter_partitioning_divides_parameters_over_data():
     assert caveat in plan_runner.report(two_d) and caveat not in plan_runner.report(one_d)
 
 
+def test_the_compiled_peak_decides_the_verdict():
+    """When the step was compiled, XLA's peak judges the fit, even where the estimate fits."""
+    from t5tpu.compiled_memory import CompiledMemory
+
+    work = memory_plan.Workload(64, 128, 16)
+    estimate = _plan(T5Config(**TINY), work, devices=8)
+    hbm_gib = 1.2 * estimate.peak / partitioning.GiB
+    plan = _plan(T5Config(**TINY), work, devices=8, hbm_gib=hbm_gib)
+    state = plan.params + plan.opt_state
+    compiled = CompiledMemory("TPU v3", state, int(1.5 * plan.peak) - state, state, state)
+    assert plan.fits and compiled.peak == int(1.5 * plan.peak)
+    options = memory_plan.knobs(plan, optim.adafactor(), partitioning.Partitioner(1))
+    text = plan_runner.report(plan, options, compiled)
+    assert "the estimate is 0.67 of it" in text
+    assert f"DOES NOT FIT: peak {compiled.peak / partitioning.GiB:.2f} GiB" in text
+    assert "(XLA's, compiled)" in text
+    assert "to make it fit (estimated peaks, lowest first; compile to check):" in text
+
+
 def test_cpu_and_tpu_compilers_differ_in_the_update_and_in_remat():
     """XLA's CPU compiler materializes two parameter-sized update temporaries and runs remat's
     recomputation during the forward pass; TPU's does neither (docs/memory_plan.md)."""
@@ -174,14 +193,101 @@ def test_plan_is_within_15_percent_of_xla(xla_analysis, name):
     assert case["plan_state"] == pytest.approx(case["xla_arguments"], rel=0.01), case
 
 
-def t5tpu(*args):
+def t5tpu(*args, env=None):
     return subprocess.run(
         [sys.executable, "-m", "t5tpu.main", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=600,
+        env=env,
     )
+
+
+# scripts/test.sh installs libtpu (TPU's compiler) here rather than into .venv: installed, it
+# makes every jax start on a machine without TPUs print libtpu's complaints.
+LIBTPU = os.path.join(ROOT, ".libtpu")
+
+
+def with_libtpu() -> dict:
+    assert os.path.isdir(os.path.join(LIBTPU, "libtpu")), "no .libtpu: run scripts/test.sh"
+    return dict(os.environ, PYTHONPATH=LIBTPU)
+
+
+def _mib(name: str, text: str) -> float:
+    """A row of the per-device table, e.g. '  parameters   230.81'."""
+    return float(re.search(rf"^  {name} +([\d.]+)", text, re.MULTILINE).group(1))
+
+
+def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
+    """With plan.compile, TPU's compiler (libtpu's compile-only devices of a v2-8) builds the
+    real step; the verdict is XLA's, the estimate is within 15% of it, and XLA's arguments are
+    the exactly counted state."""
+    run = t5tpu(
+        "plan",
+        "--gin_file=configs/experiments/qp_is_duplicate_small_v2-8.gin",
+        "--gin.plan.compile=True",
+        env=with_libtpu(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    out = run.stdout
+    assert run.stderr == "", run.stderr  # libtpu's complaints off a TPU VM are kept quiet
+    assert "compiling the train step for v2:2x2" in out
+    estimate, compiled = _mib("peak \\(estimate\\)", out), _mib("peak \\(XLA, compiled\\)", out)
+    assert estimate == pytest.approx(compiled, rel=0.15)
+    assert f"the estimate is {estimate / compiled:.2f} of it" in out
+    arguments = float(re.search(r"= arguments ([\d.]+)", out).group(1))
+    state = sum(_mib(part, out) for part in ("parameters", "optimizer state", "batch"))
+    assert arguments == pytest.approx(state, rel=0.01)
+    assert f"fits: peak {compiled / 1024:.2f} GiB of 8 GiB HBM per device (XLA's, compiled)" in out
+
+
+def test_plan_compile_without_libtpu_says_what_to_install():
+    run = t5tpu(
+        "plan",
+        "--gin_file=configs/experiments/qp_is_duplicate_small_v2-8.gin",
+        "--gin.plan.compile=True",
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "t5tpu: error: compiling for v2-8 needs libtpu: install the TPU compiler that matches "
+        "this jax (pip install -c constraints.txt libtpu, or pip install -e '.[tpu]'); no TPU "
+        "is needed"
+    ]
+
+
+def test_every_tpu_topology_names_a_slice_libtpu_knows():
+    """Each topology file's Topology.tpu_topology describes its device count (checked by
+    compile_only_devices, which raises otherwise)."""
+    names = sorted(
+        name[:-4]
+        for name in os.listdir(os.path.join(ROOT, "t5tpu", "configs", "topologies"))
+        if name != "cpu.gin"
+    )
+    code = (
+        "import gin, sys\n"
+        "from t5tpu import compiled_memory, gin_setup, partitioning\n"
+        "for name in sys.argv[1:]:\n"
+        "    gin.clear_config()\n"
+        "    gin_setup.parse([f'configs/topologies/{name}.gin'], [], [])\n"
+        "    topology = partitioning.Topology()\n"
+        "    with compiled_memory.libtpu_environment(topology):\n"
+        "        devices = compiled_memory.compile_only_devices(topology)\n"
+        "    print(name, topology.tpu_topology, len(devices), devices[0].device_kind)\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-c", code, *names],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=with_libtpu(),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    rows = [line.split(" ", 3) for line in run.stdout.splitlines()]
+    assert [row[0] for row in rows] == names
+    assert tuple(rows[names.index("v5e-64")][:3]) == ("v5e-64", "v5e:8x8", "64")
+    assert tuple(rows[names.index("v3-128")][:3]) == ("v3-128", "v3:8x8", "128")
 
 
 def test_plan_command_on_a_v2_8_experiment():
@@ -315,53 +421,24 @@ def _echo_path() -> str:
 
 def _xla_memory(model, optimizer, partitioner, work: memory_plan.Workload) -> dict:
     """XLA's compiled memory analysis of the real train step: its peak and argument bytes."""
-    import jax
-    import jax.numpy as jnp
+    from t5tpu import compiled_memory
 
-    from t5tpu import trainer
-
-    lengths = (work.input_length, work.target_length)
-    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
-    step = trainer.compile_train_step(
-        model, optimizer, shardings, partitioner, work.num_microbatches
-    )
-    rows, (encoder, decoder) = work.batch_size, lengths
-    shapes = {  # what the feature converter gives the train step (int32 each)
-        "encoder_input_tokens": (rows, encoder),
-        "decoder_input_tokens": (rows, decoder),
-        "decoder_target_tokens": (rows, decoder),
-        "decoder_loss_weights": (rows, decoder),
-    }
-    abstract_batch = {k: jax.ShapeDtypeStruct(s, jnp.int32) for k, s in shapes.items()}
-    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    memory = step.lower(abstract, abstract_batch, seed).compile().memory_analysis()
-    return {
-        "xla_peak": memory.argument_size_in_bytes
-        + memory.temp_size_in_bytes
-        + memory.output_size_in_bytes
-        - memory.alias_size_in_bytes,
-        "xla_arguments": memory.argument_size_in_bytes,
-    }
-
-
-def _tpu_devices(topology: str) -> list:
-    """Compile-only devices of a TPU slice, e.g. 'v3:2x2' (needs libtpu, no TPU)."""
-    from jax.experimental import topologies
-
-    return list(topologies.get_topology_desc(topology, "tpu").devices)
+    memory = compiled_memory.train_step_memory(model, optimizer, partitioner, work)
+    return {"xla_peak": memory.peak, "xla_arguments": memory.arguments}
 
 
 def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     """{case name: XLA's peak and arguments, the plan's peak and state} for the named cases,
     compiled for the 8 (fake) CPU devices, or with `tpu_topology` (e.g. 'v3:2x2') for that
     TPU slice's compile-only devices (needs libtpu, no TPU)."""
-    from t5tpu import gin_setup
+    from t5tpu import compiled_memory, gin_setup
     from t5tpu.model import EncoderDecoderModel
 
     devices, topology = None, partitioning.Topology()  # the 'cpu' topology: CPU's compiler
     if tpu_topology:
-        devices = _tpu_devices(tpu_topology)
-        topology = partitioning.Topology(tpu_topology, len(devices))
+        topology = partitioning.Topology(tpu_topology, tpu_topology=tpu_topology)
+        with compiled_memory.libtpu_environment(topology):
+            devices = compiled_memory.compile_only_devices(topology)
     cases = XLA_CASES | LONG_INPUT_CASES
     if unknown := [name for name in names if name not in cases]:
         raise UserError(f"unknown case(s) {', '.join(unknown)}; known: {', '.join(cases)}")
@@ -397,70 +474,15 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     return results
 
 
-# Compile-only device descriptions of the single-host slices the experiments name.
-TPU_SLICES = {
-    "v2-8": "v2:2x2",
-    "v3-8": "v3:2x2",
-    "v4-8": "v4:2x2x1",
-    "v5e-8": "v5e:2x4",
-    "v5p-8": "v5p:2x2x1",
-    "v6e-8": "v6e:2x4",
-    # Pod slices: several hosts' devices, compiled from this one process.
-    "v3-32": "v3:4x4",
-    "v3-128": "v3:8x8",
-    "v4-32": "v4:2x2x4",
-    "v4-128": "v4:4x4x4",
-    "v5e-64": "v5e:8x8",
-}
-
-
-def _xla_experiment(name: str, bindings: list[str]) -> dict:
-    """TPU's compiler against `t5tpu plan` for an experiment file (plus gin bindings), on its
-    slice's compile-only devices: the second table of docs/memory_plan.md."""
-    import contextlib
-    import io
-
-    import seqio
-
-    from t5tpu import gin_setup
-    from t5tpu.model import EncoderDecoderModel
-
-    gin_setup.parse([f"configs/experiments/{name}.gin"], bindings, [])
-    with contextlib.redirect_stdout(io.StringIO()):
-        plan = plan_runner.plan()
-    given = plan_runner._setting("partitioner", None) or partitioning.Partitioner()
-    if given.topology.name not in TPU_SLICES:
-        raise UserError(
-            f"{name} runs on {given.topology.name!r}, which has no compile-only TPU devices "
-            f"here; pick an experiment for one of {', '.join(TPU_SLICES)}"
-        )
-    devices = _tpu_devices(TPU_SLICES[given.topology.name])
-    partitioner = partitioning.Partitioner(
-        given.num_partitions, given.rules, given.topology, devices
-    )
-    # The train step needs only the vocabulary's size (the real one may be on gs://).
-    model = EncoderDecoderModel(plan.config, seqio.PassThroughVocabulary(plan.config.vocab_size))
-    optimizer = plan_runner._setting("optimizer", None)
-    return _xla_memory(model, optimizer, partitioner, plan.workload) | {
-        "plan_peak": plan.peak,
-        "plan_phase": plan.peak_phase,
-    }
-
-
 if __name__ == "__main__":
     import argparse
 
     parser = argparse.ArgumentParser(description="XLA's memory analysis against the plan")
     parser.add_argument("--cases", default=",".join(XLA_CASES), help="comma-separated names")
     parser.add_argument("--tpu", help="a TPU topology to compile for, e.g. v3:2x2 (libtpu)")
-    parser.add_argument("--experiment", help="an experiment for TPU, e.g. squad_v1_3B_v2-8")
-    parser.add_argument("--binding", action="append", default=[], help="gin, with --experiment")
     args = parser.parse_args()
     try:
-        if args.experiment:
-            print(json.dumps(_xla_experiment(args.experiment, args.binding)))
-        else:
-            print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
-    except UserError as e:  # a missing experiment, a bad binding, a slice without devices
+        print(json.dumps(_xla_worker(args.cases.split(","), args.tpu)))
+    except UserError as e:  # an unknown case, a slice libtpu does not know
         print(f"test_plan.py: error: {e}", file=sys.stderr)
         sys.exit(2)

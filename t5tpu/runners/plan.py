@@ -5,17 +5,22 @@ and prints per-device bytes of parameters, optimizer state, gradients and activa
 sharding of every parameter, whether the peak fits the chip's HBM and, when it does not, the
 knobs that would make it fit, lowest resulting peak first. Everything it needs comes from the train
 runner's bindings (`train.batch_size`, ...); `plan.*` bindings override them.
+
+The peak is an estimate (docs/memory_plan.md says how close it comes); `plan.compile = True`
+also compiles the real train step for the slice, with libtpu's compile-only TPU devices and no
+TPU, and judges the fit by XLA's own memory analysis.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 
 import gin
 import jax
 
-from t5tpu import data, gin_setup, memory_plan
+from t5tpu import compiled_memory, data, gin_setup, memory_plan
 from t5tpu.errors import UserError
 from t5tpu.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
@@ -62,8 +67,13 @@ def _spec_text(spec) -> str:
     return "(" + ", ".join("-" if axes is None else str(axes) for axes in spec) + ")"
 
 
-def report(plan: memory_plan.MemoryPlan, options: list[memory_plan.Knob] = ()) -> str:
-    """The plan as text: header, per-device bytes, verdict, knobs, every parameter's sharding."""
+def report(
+    plan: memory_plan.MemoryPlan,
+    options: list[memory_plan.Knob] = (),
+    compiled: compiled_memory.CompiledMemory | None = None,
+) -> str:
+    """The plan as text: header, per-device bytes, the compiler's figures when it was asked,
+    verdict, knobs, every parameter's sharding."""
     c, w, t = plan.config, plan.workload, plan.topology
     mesh = plan.mesh
     num_params = sum(math.prod(p.shape) for p in plan.placements)
@@ -90,12 +100,15 @@ def report(plan: memory_plan.MemoryPlan, options: list[memory_plan.Knob] = ()) -
             )
         ),
         f"  {'peak (estimate)':22} {plan.peak / _unit(plan)[1]:9.2f}   at the {plan.peak_phase}",
-        f"  {_verdict(plan)}",
-        *_caveats(plan),
+        *(_compiled_lines(plan, compiled) if compiled else _caveats(plan)),
+        f"  {_verdict(plan, compiled)}",
     ]
-    if plan.fits is False:
-        lines += ["", "to make it fit (lowest peak first):"]
-        lines += [f"  {line}" for line in knob_lines(plan, options)]
+    if _fits(plan, compiled) is False:
+        order = (
+            "estimated peaks, lowest first; compile to check" if compiled else "lowest peak first"
+        )
+        lines += ["", f"to make it fit ({order}):"]
+        lines += [f"  {line}" for line in knob_lines(plan, options, compiled)]
     lines += ["", "parameter shardings (layers_* stands for every layer):"]
     lines += [
         f"  {name:58} x{count:<3} {str(p.shape):18} {_spec_text(p.logical_axes):28} -> "
@@ -112,9 +125,30 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
             "  low for 2-D parameter partitioning: TPU's compiler also keeps weights gathered "
             "over 'data' and gradients before their reduce-scatter, which this estimate leaves "
             "out; on the pod experiments compiled it needed 1.6-4.6x this peak "
-            "(docs/memory_plan.md)"
+            "(docs/memory_plan.md); --gin.plan.compile=True gives the compiler's own figure"
         ]
     return []
+
+
+def _compiled_lines(
+    plan: memory_plan.MemoryPlan, compiled: compiled_memory.CompiledMemory
+) -> list[str]:
+    name, unit = _unit(plan)
+    return [
+        f"  {'peak (XLA, compiled)':22} {compiled.peak / unit:9.2f}   for {compiled.device_kind}; "
+        f"the estimate is {plan.peak / compiled.peak:.2f} of it",
+        f"    = arguments {compiled.arguments / unit:.2f} + temporaries "
+        f"{compiled.temporaries / unit:.2f} + outputs {compiled.outputs / unit:.2f} - donated "
+        f"{compiled.aliased / unit:.2f} {name}",
+    ]
+
+
+def _peak(plan: memory_plan.MemoryPlan, compiled) -> int:
+    return compiled.peak if compiled else plan.peak
+
+
+def _fits(plan: memory_plan.MemoryPlan, compiled) -> bool | None:
+    return None if plan.hbm is None else _peak(plan, compiled) <= plan.hbm
 
 
 def _largest_part(plan: memory_plan.MemoryPlan) -> str:
@@ -128,22 +162,27 @@ def _largest_part(plan: memory_plan.MemoryPlan) -> str:
     return max(parts, key=parts.get)
 
 
-def _verdict(plan: memory_plan.MemoryPlan) -> str:
-    if plan.fits is None:
+def _verdict(plan: memory_plan.MemoryPlan, compiled=None) -> str:
+    fits = _fits(plan, compiled)
+    if fits is None:
         return "no HBM size for this topology: bind Topology.hbm_gib_per_device to check the fit"
     hbm = plan.hbm / GiB
-    verdict = "fits" if plan.fits else "DOES NOT FIT"
-    return f"{verdict}: peak {plan.peak / GiB:.2f} GiB of {hbm:g} GiB HBM per device"
+    verdict = "fits" if fits else "DOES NOT FIT"
+    source = " (XLA's, compiled)" if compiled else ""
+    peak = _peak(plan, compiled) / GiB
+    return f"{verdict}: peak {peak:.2f} GiB of {hbm:g} GiB HBM per device{source}"
 
 
-def knob_lines(plan: memory_plan.MemoryPlan, found: list[memory_plan.Knob]) -> list[str]:
+def knob_lines(
+    plan: memory_plan.MemoryPlan, found: list[memory_plan.Knob], compiled=None
+) -> list[str]:
     lines = [
         f"{k.setting}: peak {k.plan.peak / GiB:.2f} GiB "
         f"({'fits' if k.plan.fits else 'still too big'})"
         for k in found
     ]
     if not any(k.plan.fits for k in found):
-        need = plan.peak / plan.hbm if plan.hbm else 0
+        need = _peak(plan, compiled) / plan.hbm if plan.hbm else 0
         lines.append(
             f"nothing on this slice is enough: the largest part is the {_largest_part(plan)}; "
             f"use a slice with about {need:.1f}x the memory (more devices, with 2-D parameter "
@@ -160,8 +199,10 @@ def plan(
     num_microbatches: int | None = None,
     optimizer=None,
     partitioner: Partitioner | None = None,
+    compile: bool = False,
 ) -> memory_plan.MemoryPlan:
-    """Prints the memory plan of the configured training run; returns it."""
+    """Prints the memory plan of the configured training run (with `compile`, XLA's figures for
+    the compiled step too); returns the estimate."""
     lengths = data.model_lengths(_setting("task_feature_lengths", task_feature_lengths))
     work = memory_plan.Workload(
         int(_setting("batch_size", batch_size, 128)),
@@ -174,8 +215,34 @@ def plan(
             "no optimizer bound: include configs/runs/finetune.gin or bind train.optimizer"
         )
     partitioner = partitioner or _setting("partitioner", None) or Partitioner()
-    num_devices = partitioner.topology.num_devices or jax.device_count()
-    result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
-    options = memory_plan.knobs(result, optimizer, partitioner) if result.fits is False else []
-    print(report(result, options), flush=True)
+    quiet = compiled_memory.libtpu_environment if compile else lambda _: contextlib.nullcontext()
+    with quiet(partitioner.topology):
+        num_devices = partitioner.topology.num_devices or jax.device_count()
+        result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
+        compiled = _compile(result, optimizer, partitioner) if compile else None
+    fits = _fits(result, compiled)
+    options = memory_plan.knobs(result, optimizer, partitioner) if fits is False else []
+    print(report(result, options, compiled), flush=True)
     return result
+
+
+def _compile(
+    plan: memory_plan.MemoryPlan, optimizer, given: Partitioner
+) -> compiled_memory.CompiledMemory:
+    import seqio
+
+    from t5tpu.model import EncoderDecoderModel
+
+    topology = given.topology
+    print(
+        f"compiling the train step for {topology.tpu_topology or 'the local devices'} "
+        "(a 3B or 11B model on a pod slice takes 10-15 minutes)",
+        flush=True,
+    )
+    devices = compiled_memory.devices_for(topology)
+    partitioner = Partitioner(given.num_partitions, given.rules, topology, devices)
+    # The step needs the vocabulary's size only (the real vocabulary may be on gs://).
+    vocabulary = seqio.PassThroughVocabulary(plan.config.vocab_size)
+    model = EncoderDecoderModel(plan.config, vocabulary)
+    pack = bool(_setting("use_packing", None, False))
+    return compiled_memory.train_step_memory(model, optimizer, partitioner, plan.workload, pack)

@@ -1,0 +1,151 @@
+"""XLA's own answer to `t5tpu plan`: the real train step compiled for the slice, and the memory
+its compiler assigns each device.
+
+A TPU topology is compiled for libtpu's compile-only devices of that slice (`Topology.
+tpu_topology`, e.g. 'v3:8x8'): TPU's compiler runs on any machine with libtpu installed, no TPU
+needed, and a pod slice's devices are all compiled for from one process. The cpu topology is
+compiled for the visible devices.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import importlib.util
+import os
+import resource
+
+import jax
+import jax.numpy as jnp
+
+from t5tpu import data, trainer
+from t5tpu.errors import UserError
+from t5tpu.memory_plan import Workload
+from t5tpu.partitioning import Partitioner, Topology
+
+LIBTPU_HINT = (
+    "install the TPU compiler that matches this jax (pip install -c constraints.txt libtpu, "
+    "or pip install -e '.[tpu]'); no TPU is needed"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class CompiledMemory:
+    """Bytes per device of the compiled step, as XLA's memory analysis reports them."""
+
+    device_kind: str
+    arguments: int  # state and batch
+    temporaries: int
+    outputs: int
+    aliased: int  # outputs written over donated arguments (the new state)
+
+    @property
+    def peak(self) -> int:
+        return self.arguments + self.temporaries + self.outputs - self.aliased
+
+
+@contextlib.contextmanager
+def libtpu_environment(topology: Topology):
+    """Enter before jax first starts its backends. libtpu, when installed, asks a TPU VM's
+    metadata server what slice it is on; off a TPU VM (no TPU device files) it prints five lines
+    of errors before going on. These stand in for the answers while jax starts, then go."""
+    if topology.tpu_topology:
+        _lift_stack_limit()
+    if not topology.tpu_topology or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
+        yield
+        return
+    stand_ins = {
+        "TPU_SKIP_MDS_QUERY": "1",
+        "TPU_ACCELERATOR_TYPE": topology.name,
+        "TPU_WORKER_HOSTNAMES": "localhost",
+        # Compile-only devices hold no chip: let two plans (or test workers) load libtpu at once.
+        "ALLOW_MULTIPLE_LIBTPU_LOAD": "1",
+    }
+    added = [name for name in stand_ins if name not in os.environ]
+    os.environ.update({name: stand_ins[name] for name in added})
+    try:
+        yield
+    finally:
+        for name in added:
+            del os.environ[name]
+
+
+def _lift_stack_limit() -> None:
+    """TPU's compiler recurses deeply on big pod programs: 3B for a v4-32 overflows an 8 MiB
+    stack (the usual `ulimit -s`) and compiles with it unlimited. Lifted in-process, the soft
+    limit lets the stack grow; memory is used only as deep as the compiler goes."""
+    _, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    resource.setrlimit(resource.RLIMIT_STACK, (hard, hard))
+
+
+def compile_only_devices(topology: Topology) -> list:
+    """The devices of a TPU slice as TPU's compiler sees them, without the slice."""
+    if importlib.util.find_spec("libtpu") is None:
+        raise UserError(f"compiling for {topology.name} needs libtpu: {LIBTPU_HINT}")
+    from jax.experimental import topologies
+
+    # A v4 or v5p chip's two TensorCores are one jax device (megacore) on Cloud TPU; libtpu
+    # describes them core by core unless asked for that configuration.
+    megacore = topology.tpu_topology.split(":")[0] in ("v4", "v5p")
+    options = {"chip_config_name": "megacore"} if megacore else {}
+    try:
+        description = topologies.get_topology_desc(topology.tpu_topology, "tpu", **options)
+        devices = list(description.devices)
+    except Exception as e:  # libtpu raises bare runtime errors (unknown slice, lock held, ...)
+        raise UserError(
+            f"libtpu could not describe {topology.tpu_topology!r} for {topology.name}: "
+            f"{str(e).splitlines()[0]}"
+        ) from None
+    if topology.num_devices and len(devices) != topology.num_devices:
+        raise UserError(
+            f"Topology.tpu_topology={topology.tpu_topology!r} has {len(devices)} devices, "
+            f"Topology.num_devices={topology.num_devices}; make them agree"
+        )
+    return devices
+
+
+def devices_for(topology: Topology) -> list:
+    if topology.tpu_topology:
+        return compile_only_devices(topology)
+    if topology.name != "cpu":
+        raise UserError(
+            f"the {topology.name} topology names no TPU slice to compile for; bind "
+            "Topology.tpu_topology (libtpu's name, e.g. 'v3:2x2' for a v3-8)"
+        )
+    return jax.devices()
+
+
+def train_step_memory(
+    model, optimizer, partitioner: Partitioner, work: Workload, pack: bool = False
+) -> CompiledMemory:
+    """Compiles the train step `t5tpu train` would run (same shardings, donation, microbatches
+    and batch features) for the partitioner's devices and reads XLA's memory analysis."""
+    lengths = (work.input_length, work.target_length)
+    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    step = trainer.compile_train_step(
+        model, optimizer, shardings, partitioner, work.num_microbatches
+    )
+    features = data.feature_converter(pack).get_model_feature_lengths(
+        {"inputs": work.input_length, "targets": work.target_length}
+    )
+    batch = {
+        name: jax.ShapeDtypeStruct((work.batch_size, length), jnp.int32)
+        for name, length in features.items()
+    }
+    seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
+    # Measured, never run: kept out of the persistent compilation cache (an executable for
+    # compile-only devices cannot be loaded from it, and a pod slice's is large).
+    caching = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)
+    try:
+        memory = step.lower(abstract, batch, seed).compile().memory_analysis()
+    finally:
+        jax.config.update("jax_enable_compilation_cache", caching)
+    return CompiledMemory(
+        device_kind=partitioner.mesh.devices.flat[0].device_kind,
+        arguments=memory.argument_size_in_bytes,
+        temporaries=memory.temp_size_in_bytes,
+        outputs=memory.output_size_in_bytes,
+        aliased=memory.alias_size_in_bytes,
+    )
