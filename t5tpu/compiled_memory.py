@@ -134,14 +134,7 @@ def train_step_memory(
         for name, length in features.items()
     }
     seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    # Measured, never run: kept out of the persistent compilation cache (an executable for
-    # compile-only devices cannot be loaded from it, and a pod slice's is large).
-    caching = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)
-    try:
-        memory = step.lower(abstract, batch, seed).compile().memory_analysis()
-    finally:
-        jax.config.update("jax_enable_compilation_cache", caching)
+    memory = step.lower(abstract, batch, seed).compile().memory_analysis()
     return CompiledMemory(
         device_kind=partitioner.mesh.devices.flat[0].device_kind,
         arguments=memory.argument_size_in_bytes,

@@ -135,7 +135,10 @@ def main(argv: list[str]) -> None:
     import importlib
 
     _import_tensorflow_quietly()
-    _enable_compilation_cache()
+    if argv[1] != "plan":
+        # plan's compiles are measured, never run: an executable for compile-only TPU devices
+        # cannot be loaded back from the cache, and a pod slice's is large.
+        _enable_compilation_cache()
     from t5tpu import gin_setup
 
     try:

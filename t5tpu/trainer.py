@@ -103,7 +103,7 @@ def train_step(
         "z_loss": sums["z_loss_sum"] / normalizer,
         "token_accuracy": sums["correct_tokens"] / num_tokens,
         "nonpadding_tokens": sums["num_tokens"],
-        "grad_norm": optax.global_norm(grads),
+        "grad_norm": optax.tree.norm(grads),
     }
     return TrainState(state.step + 1, params, opt_state), metrics
 
