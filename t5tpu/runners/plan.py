@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import time
 
 import gin
 import jax
@@ -245,4 +246,7 @@ def _compile(
     vocabulary = seqio.PassThroughVocabulary(plan.config.vocab_size)
     model = EncoderDecoderModel(plan.config, vocabulary)
     pack = bool(_setting("use_packing", None, False))
-    return compiled_memory.train_step_memory(model, optimizer, partitioner, plan.workload, pack)
+    start = time.monotonic()
+    memory = compiled_memory.train_step_memory(model, optimizer, partitioner, plan.workload, pack)
+    print(f"compiled in {time.monotonic() - start:.0f} s", flush=True)
+    return memory
