@@ -14,6 +14,7 @@ import dataclasses
 import glob
 import importlib.util
 import os
+import re
 import resource
 
 import jax
@@ -24,21 +25,22 @@ from t5tpu.errors import UserError
 from t5tpu.memory_plan import Workload
 from t5tpu.partitioning import Partitioner, Topology
 
-LIBTPU_HINT = (
-    "install the TPU compiler that matches this jax (pip install -c constraints.txt libtpu, "
-    "or pip install -e '.[tpu]'); no TPU is needed"
-)
-
 
 @dataclasses.dataclass(frozen=True)
 class CompiledMemory:
-    """Bytes per device of the compiled step, as XLA's memory analysis reports them."""
+    """Bytes per device of the compiled step, as XLA's memory analysis reports them.
+
+    TPU's compiler fits the step into the chip's HBM: a step that compiles fits, one that
+    does not is refused with `out_of_memory` saying by how much. With HBM to spare it keeps
+    more than it must (docs/memory_plan.md), so the peak of a roomy compile is not the least
+    the step needs."""
 
     device_kind: str
     arguments: int  # state and batch
     temporaries: int
     outputs: int
     aliased: int  # outputs written over donated arguments (the new state)
+    out_of_memory: str = ""  # TPU's compiler's message when it could not fit the step
 
     @property
     def peak(self) -> int:
@@ -47,9 +49,10 @@ class CompiledMemory:
 
 @contextlib.contextmanager
 def libtpu_environment(topology: Topology):
-    """Enter before jax first starts its backends. libtpu, when installed, asks a TPU VM's
-    metadata server what slice it is on; off a TPU VM (no TPU device files) it prints five lines
-    of errors before going on. These stand in for the answers while jax starts, then go."""
+    """What TPU's compiler needs from this process; enter before jax first starts its backends.
+    A deep stack (kept afterwards). And off a TPU VM (no TPU device files), stand-ins for what
+    libtpu asks a TPU VM's metadata server, which it otherwise answers with five lines of
+    errors on every start; they go when the block ends."""
     if topology.tpu_topology:
         _lift_stack_limit()
     if not topology.tpu_topology or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*"):
@@ -82,7 +85,11 @@ def _lift_stack_limit() -> None:
 def compile_only_devices(topology: Topology) -> list:
     """The devices of a TPU slice as TPU's compiler sees them, without the slice."""
     if importlib.util.find_spec("libtpu") is None:
-        raise UserError(f"compiling for {topology.name} needs libtpu: {LIBTPU_HINT}")
+        raise UserError(
+            f"compiling for {topology.name} needs libtpu: install the TPU compiler that matches "
+            "this jax (pip install -c constraints.txt libtpu, or pip install -e '.[tpu]'); no "
+            "TPU is needed"
+        )
     from jax.experimental import topologies
 
     # A v4 or v5p chip's two TensorCores are one jax device (megacore) on Cloud TPU; libtpu
@@ -134,11 +141,23 @@ def train_step_memory(
         for name, length in features.items()
     }
     seed = jax.ShapeDtypeStruct((2,), jnp.uint32)
-    memory = step.lower(abstract, batch, seed).compile().memory_analysis()
+    device_kind = partitioner.mesh.devices.flat[0].device_kind
+    try:
+        memory = step.lower(abstract, batch, seed).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        return CompiledMemory(device_kind, 0, 0, 0, 0, out_of_memory=_oom_summary(str(e)))
     return CompiledMemory(
-        device_kind=partitioner.mesh.devices.flat[0].device_kind,
+        device_kind=device_kind,
         arguments=memory.argument_size_in_bytes,
         temporaries=memory.temp_size_in_bytes,
         outputs=memory.output_size_in_bytes,
         aliased=memory.alias_size_in_bytes,
     )
+
+
+def _oom_summary(message: str) -> str:
+    """The sentence of TPU's out-of-memory error that says how much was needed."""
+    found = re.search(r"(Ran out of memory[^\n\\]*?)(?:\\n|\n|$)", message)
+    return (found.group(1) if found else message.splitlines()[0]).strip()

@@ -242,6 +242,26 @@ def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
     assert f"fits: peak {compiled / 1024:.2f} GiB of 8 GiB HBM per device (XLA's, compiled)" in out
 
 
+def test_a_step_tpu_cannot_place_does_not_fit():
+    """TPU's compiler refuses a step that does not fit its HBM (here told the chip has 4 MiB);
+    the plan reports the compiler's reason and the knobs."""
+    run = t5tpu(
+        "plan",
+        "--gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin",
+        "--gin_file=configs/topologies/v2-8.gin",
+        "--gin.plan.compile=True",
+        env=with_libtpu() | {"LIBTPU_INIT_ARGS": "--xla_tpu_max_hbm_size_mib=4"},
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert re.search(
+        r"compiled for TPU v2: Ran out of memory on HBM, .* \(([\d.]+)M\) exceeds available "
+        r"HBM \(4.00M\)",
+        run.stdout,
+    )
+    assert "DOES NOT FIT: TPU's compiler could not place the step in the chip's HBM" in run.stdout
+    assert "to make it fit (estimated peaks, lowest first; compile to check):" in run.stdout
+
+
 def test_plan_compile_without_libtpu_says_what_to_install():
     run = t5tpu(
         "plan",

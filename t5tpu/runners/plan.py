@@ -135,6 +135,8 @@ def _compiled_lines(
     plan: memory_plan.MemoryPlan, compiled: compiled_memory.CompiledMemory
 ) -> list[str]:
     name, unit = _unit(plan)
+    if compiled.out_of_memory:
+        return [f"  compiled for {compiled.device_kind}: {compiled.out_of_memory}"]
     return [
         f"  {'peak (XLA, compiled)':22} {compiled.peak / unit:9.2f}   for {compiled.device_kind}; "
         f"the estimate is {plan.peak / compiled.peak:.2f} of it",
@@ -145,10 +147,12 @@ def _compiled_lines(
 
 
 def _peak(plan: memory_plan.MemoryPlan, compiled) -> int:
-    return compiled.peak if compiled else plan.peak
+    return compiled.peak if compiled and not compiled.out_of_memory else plan.peak
 
 
 def _fits(plan: memory_plan.MemoryPlan, compiled) -> bool | None:
+    if compiled and compiled.out_of_memory:
+        return False
     return None if plan.hbm is None else _peak(plan, compiled) <= plan.hbm
 
 
@@ -167,6 +171,8 @@ def _verdict(plan: memory_plan.MemoryPlan, compiled=None) -> str:
     fits = _fits(plan, compiled)
     if fits is None:
         return "no HBM size for this topology: bind Topology.hbm_gib_per_device to check the fit"
+    if compiled and compiled.out_of_memory:
+        return "DOES NOT FIT: TPU's compiler could not place the step in the chip's HBM"
     hbm = plan.hbm / GiB
     verdict = "fits" if fits else "DOES NOT FIT"
     source = " (XLA's, compiled)" if compiled else ""
