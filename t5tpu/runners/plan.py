@@ -125,7 +125,7 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
         return [
             "  low for 2-D parameter partitioning: TPU's compiler also keeps weights gathered "
             "over 'data' and gradients before their reduce-scatter, which this estimate leaves "
-            "out; on the pod experiments compiled it needed 1.6-4.6x this peak "
+            "out; on the pod experiments compiled it needed 1.6-5.4x this peak "
             "(docs/memory_plan.md); --gin.plan.compile=True gives the compiler's own figure"
         ]
     return []
