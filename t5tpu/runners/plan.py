@@ -222,8 +222,8 @@ def plan(
             "no optimizer bound: include configs/runs/finetune.gin or bind train.optimizer"
         )
     partitioner = partitioner or _setting("partitioner", None) or Partitioner()
-    quiet = compiled_memory.libtpu_environment if compile else lambda _: contextlib.nullcontext()
-    with quiet(partitioner.topology):
+    topology = partitioner.topology
+    with compiled_memory.libtpu_environment(topology) if compile else contextlib.nullcontext():
         num_devices = partitioner.topology.num_devices or jax.device_count()
         result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
         compiled = _compile(result, optimizer, partitioner) if compile else None
