@@ -142,6 +142,22 @@ def test_2d_parameter_partitioning_divides_parameters_over_data():
     assert caveat in plan_runner.report(two_d) and caveat not in plan_runner.report(one_d)
 
 
+def test_2d_parameters_with_unrolled_remat_layers_are_told_to_scan():
+    """Unrolled, TPU's compiler gathered every layer's attention weights at once (11B on a
+    v4-128: 12.45 GiB, scanned 4.10; docs/memory_plan.md): the plan suggests scanning."""
+    work = memory_plan.Workload(64, 64, 8)
+    rules = partitioning.standard_logical_axis_rules("2d", "1d")
+    hint = "T5Config.scan_layers = True gathers one layer's at a time"
+
+    def report(**config):
+        plan = _plan(T5Config(**TINY, **config), work, num_partitions=2, devices=8, rules=rules)
+        return plan_runner.report(plan)
+
+    assert hint in report(remat_policy="full")
+    assert hint not in report(remat_policy="full", scan_layers=True)
+    assert hint not in report(remat_policy="none")  # scanning without remat costs memory
+
+
 def test_the_compiled_peak_decides_the_verdict():
     """When the step was compiled, XLA's peak judges the fit, even where the estimate fits."""
     from t5tpu.compiled_memory import CompiledMemory
