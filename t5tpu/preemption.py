@@ -10,15 +10,19 @@ from jax.experimental import multihost_utils
 
 
 class PreemptionWatch:
-    """Records SIGTERM; `requested(step)` says whether to save and stop after this step.
+    """Says whether to save and stop after a step because SIGTERM arrived.
 
     With several processes every host must stop at the same step (orbax saves collectively), so
-    there the decision comes from jax's preemption sync point, which the hosts agree on.
+    there the decision comes from jax's preemption sync point, which the hosts agree on. Its
+    SIGTERM handler is installed by jax.distributed.initialize; a Python handler would replace
+    it and the hosts would never hear of the signal, so one is installed only for one process.
     """
 
     def __init__(self):
         self._signalled = False
-        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+        self._previous = None
+        if jax.process_count() == 1:
+            self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
 
     def _on_sigterm(self, signum, frame):
         del signum, frame
@@ -30,4 +34,5 @@ class PreemptionWatch:
         return self._signalled
 
     def close(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
