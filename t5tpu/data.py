@@ -79,12 +79,12 @@ def train_batches(
     seed: int,
     pack: bool,
     split: str = "train",
-    start_step: int = 0,
+    skip_batches: int = 0,
     layout: DataLayout | None = None,
 ) -> Iterator[dict[str, np.ndarray]]:
     """An endless, deterministic stream of this host's share of each global batch.
 
-    The order is fixed by `seed`; `start_step` skips the batches a resumed run already used,
+    The order is fixed by `seed`; `skip_batches` skips the batches a resumed run already used,
     so a restarted run sees exactly the examples an uninterrupted one would. `layout`
     (Partitioner.data_layout(batch_size)) says which shard this host reads; without it every
     host reads its own shard, which is right unless the 'model' axis spans hosts.
@@ -106,7 +106,7 @@ def train_batches(
         verbose=False,
         shard_info=seqio.ShardInfo(index=layout.shard_index, num_shards=layout.num_shards),
     )
-    ds = ds.batch(layout.local_batch_size, drop_remainder=True).skip(start_step)
+    ds = ds.batch(layout.local_batch_size, drop_remainder=True).skip(skip_batches)
     return ds.prefetch(tf.data.AUTOTUNE).as_numpy_iterator()
 
 

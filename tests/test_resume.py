@@ -137,3 +137,20 @@ def test_nan_loss_stops_with_exit_2_and_saves_nothing(tmp_path):
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "loss is nan" in lines[0] or "loss is inf" in lines[0], lines
     assert sorted(os.listdir(model_dir)) == before  # no checkpoint after step 4 was written
+
+
+def test_fine_tuning_reads_the_input_from_its_first_batch(uninterrupted, tmp_path):
+    """From a pretrained checkpoint (T5 1.1's is at step 1,000,000) the step count goes on from
+    its step but the input starts at the first batch, and a resume skips only the batches the
+    fine-tuning used."""
+    from t5tpu import convert
+
+    pretrained = convert.save_params(str(tmp_path / "pretrained"), 1000, uninterrupted["params"])
+    model_dir = tmp_path / "fine_tuned"
+    start = f"--gin.INITIAL_CHECKPOINT_PATH='{pretrained}'"
+    run = train(model_dir, start, "--gin.TRAIN_STEPS=1002")
+    assert "training steps 1000..1002" in run.stdout
+    assert "input from batch 0" in run.stdout
+    run = train(model_dir, start, "--gin.TRAIN_STEPS=1003")
+    assert "training steps 1002..1003" in run.stdout
+    assert "input from batch 2" in run.stdout

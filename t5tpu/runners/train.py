@@ -7,7 +7,8 @@ Where training starts, in order:
    for bit, as one that was never interrupted;
 2. else INITIAL_CHECKPOINT_PATH — parameters only, fresh optimizer state; step counting
    continues from that checkpoint's step as in T5X (TRAIN_STEPS is absolute), or starts from it
-   with `train.relative_steps = True` (TRAIN_STEPS more steps);
+   with `train.relative_steps = True` (TRAIN_STEPS more steps); the input starts at its first
+   batch;
 3. else a fresh random initialization.
 
 On SIGTERM (a TPU VM about to be preempted) the loop saves a checkpoint at the current step and
@@ -65,7 +66,9 @@ class Progress:
         return {"steps_per_sec": steps_per_s, "examples_per_sec": examples_per_s}
 
 
-def _start_state(model, optimizer, abstract, shardings, mngr, lengths, seed, initial_path):
+def _start_state(
+    model, optimizer, abstract, shardings, mngr, lengths, seed, initial_path, initial_step
+):
     """The state to start from, placed on the mesh (see the module docstring for the order)."""
     usable = checkpoints.usable_steps(mngr)
     if usable:
@@ -79,15 +82,14 @@ def _start_state(model, optimizer, abstract, shardings, mngr, lengths, seed, ini
         # own allocation, as in a run that never stopped, so the next steps are bitwise equal.
         copy = jax.jit(lambda s: jax.tree_util.tree_map(jnp.copy, s), out_shardings=shardings)
         return copy(state)
-    params, start_step = None, 0
+    params = None
     if initial_path:
         # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
         params = convert.load_pretrained(initial_path, abstract.params, shardings.params)
-        start_step = convert.pretrained_step(initial_path)
 
     def init(rng, params):
         state = trainer.initial_state(model, optimizer, rng, *lengths, params)
-        return state.replace(step=jnp.int32(start_step))
+        return state.replace(step=jnp.int32(initial_step))
 
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed), params)
 
@@ -138,15 +140,27 @@ def train(
         )
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     lengths = data.model_lengths(task_feature_lengths)
-    last_step = train_steps
-    if relative_steps and initial_checkpoint_path:
-        last_step += convert.pretrained_step(initial_checkpoint_path)
+    # Steps count on from a pretrained checkpoint's step (T5 1.1's is 1,000,000); the input
+    # stream starts at its first batch there, and a resume skips only the batches used since.
+    initial_step = 0
+    if initial_checkpoint_path:
+        initial_step = convert.pretrained_step(initial_checkpoint_path)
+    last_step = train_steps + (initial_step if relative_steps else 0)
     abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
     mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
     state = _start_state(
-        model, optimizer, abstract, shardings, mngr, lengths, random_seed, initial_checkpoint_path
+        model,
+        optimizer,
+        abstract,
+        shardings,
+        mngr,
+        lengths,
+        random_seed,
+        initial_checkpoint_path,
+        initial_step,
     )
     first_step = int(state.step)
+    batches_used = max(first_step - initial_step, 0)
     if first_step >= last_step:
         print(f"already at step {first_step} >= {last_step}; nothing to do")
         return state
@@ -159,7 +173,7 @@ def train(
         batch_size,
         random_seed,
         use_packing,
-        start_step=first_step,
+        skip_batches=batches_used,
         layout=layout,
     )
     evaluator = None
@@ -186,7 +200,7 @@ def train(
     preemption = PreemptionWatch()
     print(
         f"training steps {first_step}..{last_step} on {jax.device_count()} device(s), mesh "
-        f"{dict(partitioner.mesh.shape)}",
+        f"{dict(partitioner.mesh.shape)}, input from batch {batches_used}",
         flush=True,
     )
     try:
