@@ -21,7 +21,7 @@ Initializer = Callable
 default_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
 embedding_init = nn.initializers.normal(stddev=1.0)
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "relu": nn.relu,
     "gelu": lambda x: nn.gelu(x, approximate=True),  # T5 1.1's "gelu_new"
     "silu": nn.silu,
@@ -286,7 +286,7 @@ class MlpBlock(nn.Module):
             h = DenseGeneral((self.mlp_dim,), ("embed", "mlp"), dtype=self.dtype, name=dense_name)(
                 x
             )
-            h = _ACTIVATIONS[name](h)
+            h = ACTIVATIONS[name](h)
             hidden = h if hidden is None else hidden * h
         hidden = constrain(hidden, ("batch", "length", "mlp"))
         hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic)

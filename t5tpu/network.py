@@ -20,8 +20,15 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu import layers
+from t5tpu.errors import UserError
 
 Array = jax.Array
+# What each layer saves for the backward pass ('none': everything, no recomputation).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 @gin.configurable
@@ -52,6 +59,24 @@ class T5Config:
     # masks differ from the unrolled stack's; everything else is computed alike.
     scan_layers: bool = False
 
+    def __post_init__(self):
+        # A misspelled value would otherwise fail deep inside tracing with a traceback.
+        def check(name, value, allowed):
+            if value not in allowed:
+                raise UserError(
+                    f"T5Config.{name} = {value!r} is not one of {', '.join(map(repr, allowed))}"
+                )
+
+        check("remat_policy", self.remat_policy, tuple(REMAT_POLICIES))
+        check("dtype", self.dtype, ("float32", "bfloat16"))
+        if isinstance(self.mlp_activations, str):
+            raise UserError(
+                f"T5Config.mlp_activations = {self.mlp_activations!r} must be a tuple, e.g. "
+                "('relu',) or ('gelu', 'linear')"
+            )
+        for activation in self.mlp_activations:
+            check("mlp_activations entry", activation, tuple(layers.ACTIVATIONS))
+
     @property
     def activation_dtype(self):
         return jnp.dtype(self.dtype)
@@ -61,16 +86,13 @@ def _remat(layer_cls, policy: str, static_argnums: tuple[int, ...], scanned: boo
     """Wraps a layer in activation checkpointing; static_argnums count `self` as 0."""
     if policy == "none":
         return layer_cls
-    policies = {
-        "full": jax.checkpoint_policies.nothing_saveable,
-        "dots": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-    }
-    if policy not in policies:
-        raise ValueError(f"unknown remat_policy {policy!r}; use one of none, {', '.join(policies)}")
     # Inside a scan the loop already keeps XLA from merging the recomputation with the forward
     # pass, so the optimization barriers of prevent_cse would only cost speed.
     return nn.remat(
-        layer_cls, policy=policies[policy], static_argnums=static_argnums, prevent_cse=not scanned
+        layer_cls,
+        policy=REMAT_POLICIES[policy],
+        static_argnums=static_argnums,
+        prevent_cse=not scanned,
     )
 
 

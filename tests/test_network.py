@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax.linen as nn
 import jax
@@ -12,6 +13,7 @@ import pytest
 from flax import traverse_util
 
 from t5tpu import layers
+from t5tpu.errors import UserError
 from t5tpu.network import T5Config, Transformer
 
 VARIANTS = {
@@ -297,9 +299,18 @@ def test_remat_policies_match_no_remat(variant, dropout):
         )
 
 
-def test_unknown_remat_policy_is_rejected():
-    with pytest.raises(ValueError, match="remat_policy"):
-        abstract_params(small_config("t5_1_1", remat_policy="everything"))
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("remat_policy", "everything", "remat_policy = 'everything' is not one of 'none'"),
+        ("dtype", "bf16", "dtype = 'bf16' is not one of 'float32', 'bfloat16'"),
+        ("mlp_activations", ("gelu", "linaer"), "entry = 'linaer' is not one of 'relu'"),
+        ("mlp_activations", "gelu", "mlp_activations = 'gelu' must be a tuple"),
+    ],
+)
+def test_bad_config_values_are_rejected_with_the_choices(field, value, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        small_config("t5_1_1", **{field: value})
 
 
 def test_bfloat16_activations_close_to_float32(setup, variant):
