@@ -7,8 +7,9 @@
 #   create  --accelerator=TYPE [--version=RUNTIME] [--spot]
 #           TYPE is gcloud's (v2-8, v3-32, v4-8, v5litepod-8, v5p-8, v6e-8, ...) or a t5tpu
 #           topology name (v5e-8 = v5litepod-8); RUNTIME defaults to the image for that family.
-#   install [--package=SPEC]       pip install SPEC on every worker (default: 't5tpu[tpu]';
-#                                  a wheel path or git URL works too).
+#   install [--package=SPEC]       pip install SPEC on every worker (default: a wheel of this
+#                                  checkout, built here and copied to every worker, with the
+#                                  'tpu' extra; SPEC may be a git URL or anything pip takes).
 #   launch  -- COMMAND...          run COMMAND (e.g. t5tpu train --gin_file=...) on every worker
 #                                  at once, in the background, logging to ~/t5tpu.log. On a pod
 #                                  slice each worker is one JAX process; t5tpu starts
@@ -110,13 +111,23 @@ create() {
 }
 
 install() {
-  local package="t5tpu[tpu]"
+  local package=""
   for arg in "$@"; do
     case "$arg" in
       --package=*) package="${arg#*=}" ;;
       *) die "install: unknown option $arg" ;;
     esac
   done
+  if [[ -z "$package" ]]; then
+    # t5tpu is not on PyPI: a wheel of this checkout goes to every worker's home directory.
+    local root version wheel
+    root="$(cd "$(dirname "$0")/.." && pwd)"
+    version="$(sed -n 's/^version = "\(.*\)"/\1/p' "$root/pyproject.toml")"
+    wheel="t5tpu-$version-py3-none-any.whl"
+    run python3 -m pip wheel --no-deps --wheel-dir="$root/dist" "$root"
+    gcloud_tpu scp "$root/dist/$wheel" "$NAME:$wheel" --worker=all
+    package="./$wheel[tpu]"
+  fi
   local remote
   remote="python3 -m pip install --upgrade pip && python3 -m pip install $(quote "$package")"
   gcloud_tpu ssh "$NAME" --worker=all --command="$remote"

@@ -399,9 +399,13 @@ def test_tpu_vm_dry_run_prints_the_gcloud_commands():
     assert "--accelerator-type=v5litepod-8 --version=v2-alpha-tpuv5-lite" in dry(
         "create", "--accelerator=v5e-8"
     )
-    install = dry("install")
+    build, copy, install = dry("install").splitlines()
+    assert build.startswith("python3 -m pip wheel --no-deps --wheel-dir=")
+    wheel = "t5tpu-0.1.0-py3-none-any.whl"
+    assert copy.startswith("gcloud compute tpus tpu-vm scp ")
+    assert f" t5:{wheel} --worker=all" in copy
     assert install.startswith("gcloud compute tpus tpu-vm ssh t5 --worker=all '--command=")
-    assert "pip install '\\''t5tpu[tpu]'\\''" in install
+    assert f"pip install '\\''./{wheel}[tpu]'\\''" in install
     launch = dry(
         "launch",
         "--",
