@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import logging
 import os
@@ -84,6 +85,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("batch size and lengths must be positive")
     if args.steps < 1 or args.warmup < 0 or args.num_beams < 1:
         raise UserError("--steps and --num_beams must be >= 1 and --warmup >= 0")
+    missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
+    if args.compare_hf and missing:
+        raise UserError(
+            f"--compare_hf needs {' and '.join(missing)}: pip install -e '.[test]' in the "
+            "t5tpu checkout"
+        )
     return args
 
 
