@@ -4,7 +4,7 @@ Parameters and optimizer state are separate items, so eval and infer restore par
 without knowing the optimizer. Orbax writes to a temporary directory and renames it when the
 save is complete, so a crash mid-save never leaves a checkpoint that restore would pick; a
 checkpoint_N directory damaged some other way (a partial copy, a lost file) is skipped with a
-warning by `usable_steps`.
+warning by `usable_steps`, and renamed checkpoint_N.incomplete when a run saves step N again.
 
 On disk layers are always unrolled (layers_N), whatever T5Config.scan_layers: a run with scanned
 layers unstacks its parameters and optimizer state to save them and stacks them again on restore
@@ -32,6 +32,8 @@ SAVE_DTYPES = ("float32", "bfloat16")
 def manager(
     model_dir: str, keep: int | None = None, keep_period: int | None = None, read_only: bool = False
 ) -> ocp.CheckpointManager:
+    if epath.Path(model_dir).exists() and not epath.Path(model_dir).is_dir():
+        raise UserError(f"MODEL_DIR {model_dir} is a file; give a directory")
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         keep_period=keep_period,
@@ -55,13 +57,23 @@ def _unrolled(tree):
     return _unstack_layers(tree) if layer_stacking.is_stacked(tree) else tree
 
 
+def check_save_dtype(dtype: str) -> None:
+    if dtype not in SAVE_DTYPES:
+        raise UserError(f"CHECKPOINT_DTYPE={dtype!r}; use one of {', '.join(SAVE_DTYPES)}")
+
+
 def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str = "float32") -> None:
     """Saves parameters (cast to `dtype`: 'bfloat16' halves the size, and makes resume inexact)
     and optimizer state; blocks until the checkpoint is complete on disk."""
-    if dtype not in SAVE_DTYPES:
-        raise UserError(f"checkpoint dtype {dtype!r}; use one of {', '.join(SAVE_DTYPES)}")
+    check_save_dtype(dtype)
     if step in mngr.all_steps():
-        return  # already saved at this step (e.g. the final save right after a periodic one)
+        step_dir = epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+        if _incomplete_reason(step_dir, ITEMS) is None:
+            return  # already saved at this step (e.g. the final save right after a periodic one)
+        # Damaged, so skipped on restore; kept under another name, since it may be worth a look.
+        step_dir.rename(step_dir.with_name(f"{step_dir.name}.incomplete"))
+        print(f"t5tpu: warning: moved {step_dir} aside to {step_dir.name}.incomplete")
+        mngr.reload()
     # Together: the parameters tell the depth of stacks whose moments are all placeholders.
     params, opt_state = _unrolled((params, opt_state))
     if dtype != "float32":

@@ -119,6 +119,9 @@ def test_damaged_newest_checkpoint_is_skipped_with_a_warning(uninterrupted, tmp_
     assert "skipping incomplete" in run.stderr and "checkpoint_8" in run.stderr
     assert f"resuming from {model_dir}/checkpoint_4" in run.stdout
     assert_bitwise_equal(load(model_dir), uninterrupted)
+    # Step 8 was saved again; the damaged one is kept aside, not deleted.
+    assert "moved" in run.stdout and os.path.isdir(f"{model_dir}/checkpoint_8.incomplete")
+    assert set(load(model_dir, step=8)) == {"params", "opt_state"}
 
 
 def test_nan_loss_stops_with_exit_2_and_saves_nothing(tmp_path):
