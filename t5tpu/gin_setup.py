@@ -6,9 +6,12 @@ one list of those modules, so a gin file can name any of them once `import_confi
 
 from __future__ import annotations
 
+import difflib
 import functools
 import importlib
+import inspect
 import os
+import re
 
 import gin
 import jax
@@ -56,6 +59,25 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
         ) from None
     except (ValueError, SyntaxError) as e:
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
+    _check_macros(bindings)
+
+
+def _check_macros(bindings: list[str]) -> None:
+    """gin accepts a macro that nothing uses (a misspelled --gin.TRAIN_STEP=5 would leave the
+    file's TRAIN_STEPS in force) and fails deep in the run on a %MACRO never bound."""
+    config = re.sub(r"'[^'\n]*'|\"[^\"\n]*\"", "''", gin.config_str())  # no % in strings
+    macros_section = config.split("# Parameters for", 1)[0]
+    bound = set(re.findall(r"^([A-Za-z_]\w*) = ", macros_section, re.M))
+    used = set(re.findall(r"%([A-Za-z_][\w.]*)", config)) - {"gin.REQUIRED"}
+    unbound = sorted(used - bound)
+    if unbound:
+        raise UserError(f"%{unbound[0]} is used but never bound; add --gin.{unbound[0]}=VALUE")
+    for binding in bindings:
+        name = binding.split("=", 1)[0].strip()
+        if "=" in binding and name.isidentifier() and name not in used:
+            close = difflib.get_close_matches(name, sorted(used), n=1)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise UserError(f"{name} is bound but no setting uses %{name}{hint}")
 
 
 def _compact(error: Exception) -> list[str]:
@@ -70,6 +92,12 @@ def runner(fn):
     argument is checked here; the run files name every macro after its argument, upper-cased.
     """
 
+    whole_numbers = {
+        name
+        for name, parameter in inspect.signature(fn).parameters.items()
+        if parameter.annotation in ("int", "int | None")
+    }
+
     @functools.wraps(fn)
     def checked(**kwargs):
         missing = [name.upper() for name, value in kwargs.items() if value is gin.REQUIRED]
@@ -78,6 +106,10 @@ def runner(fn):
             raise UserError(
                 f"{', '.join(missing)} must be set: bind it in a gin file or pass {example}"
             )
+        for name in whole_numbers & kwargs.keys():
+            value = kwargs[name]
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise UserError(f"{name.upper()} = {value!r} must be a whole number, e.g. 1000")
         return fn(**kwargs)
 
     return gin.configurable(checked)

@@ -151,10 +151,10 @@ def main(argv: list[str]) -> None:
         runner()
     except UserError as e:
         fail(one_line_message(e))
-    except ValueError as e:
-        # gin reports unset %gin.REQUIRED values and unknown bindings when the runner is called.
+    except RuntimeError as e:
+        # gin reports a configurable's unbound gin.REQUIRED argument when it is called.
         message = one_line_message(e)
-        if "Required bindings" in message or "gin" in message.lower():
+        if message.startswith("Required bindings"):
             fail(f"{message} Bind it in a gin file or with --gin.NAME=VALUE")
         raise
 

@@ -286,14 +286,19 @@ class Partitioner:
             constrained, in_shardings=in_shardings, donate_argnums=donate_argnums, **kwargs
         )
 
+    def check_batch_size(self, name: str, batch_size: int, num_microbatches: int = 1) -> None:
+        """A batch (gin macro `name`) must split evenly over the 'data' axis (and microbatches)."""
+        shards = self.data_parallelism * num_microbatches
+        if batch_size < 1 or batch_size % shards:
+            into = f"{self.data_parallelism} data-parallel devices"
+            if num_microbatches > 1:
+                into += f" x {num_microbatches} microbatches"
+            raise UserError(f"{name}={batch_size} must be a positive multiple of the {into}")
+
     def data_layout(self, global_batch_size: int) -> DataLayout:
         """This host's shard of the input for a global batch of `global_batch_size` rows."""
+        self.check_batch_size("batch size", global_batch_size)
         data_size = self.data_parallelism
-        if global_batch_size % data_size:
-            raise UserError(
-                f"batch size {global_batch_size} must be a multiple of the {data_size} "
-                "data-parallel devices"
-            )
         rows_by_host = host_data_rows(self.batch_sharding())
         distinct = sorted(set(rows_by_host.values()))
         if len({row for rows in distinct for row in rows}) != sum(map(len, distinct)):

@@ -143,6 +143,24 @@ BAD_INPUTS = {
         "another geometry",
     ),
     "missing checkpoint step": (["eval", *memorize_flags("--gin.CHECKPOINT_STEP=7")], "7"),
+    "misspelled macro": (
+        ["train", *memorize_flags("--gin.TRAIN_STEP=5")],
+        "TRAIN_STEP is bound but no setting uses %TRAIN_STEP; did you mean TRAIN_STEPS?",
+    ),
+    "unbound macro": (["eval", *memorize_flags("--gin.EVAL_BATCH_SIZE=%BATCH")], "%BATCH"),
+    "bad T5Config value": (
+        ["eval", *memorize_flags("--gin.T5Config.remat_policy='ful'")],
+        "T5Config.remat_policy = 'ful' is not one of 'none', 'full', 'dots'",
+    ),
+    "fractional step count": (
+        ["train", *memorize_flags("--gin.TRAIN_STEPS=1e3")],
+        "TRAIN_STEPS = 1000.0 must be a whole number",
+    ),
+    "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),
+    "MODEL_DIR is a file": (
+        ["train", *memorize_flags("--gin.MODEL_DIR='{model_dir}/config.gin'")],
+        "config.gin is a file; give a directory",
+    ),
 }
 
 
@@ -150,8 +168,10 @@ BAD_INPUTS = {
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, trained_dir):
     model_dir, _ = trained_dir
     args, expected = BAD_INPUTS[case]
+    args = [arg.replace("{model_dir}", model_dir) for arg in args]
     before = _digest(model_dir)
-    run = t5tpu(*args, model_dir=model_dir if case != "missing MODEL_DIR" else None)
+    names_model_dir = any("MODEL_DIR" in arg for arg in args) or case == "missing MODEL_DIR"
+    run = t5tpu(*args, model_dir=None if names_model_dir else model_dir)
     assert run.returncode == 2, (run.returncode, run.stderr[-2000:])
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("t5tpu: error: "), run.stderr[-2000:]

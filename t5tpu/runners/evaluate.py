@@ -149,12 +149,16 @@ def evaluate(
     """Evaluates the checkpoint(s) in MODEL_DIR chosen by CHECKPOINT_STEP: 'latest', a step,
     or 'all' (every checkpoint, oldest first). Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
+    partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
     input_length, target_length = data.model_lengths(task_feature_lengths)
     params_shape, shardings = trainer.abstract_params(
         model, partitioner, input_length, target_length
     )
+    mngr = checkpoints.manager(model_dir, read_only=True)
+    for step in steps:
+        checkpoints.check_geometry(mngr, step, params_shape)
     evaluator = TaskEvaluator(
         model,
         mixture_or_task_name,
@@ -168,9 +172,6 @@ def evaluate(
         num_beams,
         beam_alpha,
     )
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    for step in steps:
-        checkpoints.check_geometry(mngr, step, params_shape)
     gin_setup.write_operative_config(model_dir, "eval_config.gin")
     results = {}
     for step in steps:

@@ -96,6 +96,7 @@ def infer(
     """Decodes INFER_INPUTS (texts given in gin or on the command line) or INFER_INPUT_FILE (one
     input per line) if given, else the task's split. Returns the files written."""
     partitioner = partitioner or Partitioner()
+    partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     input_length, target_length = data.model_lengths(task_feature_lengths)
     if inputs:
         if isinstance(inputs, str):

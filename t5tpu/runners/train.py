@@ -18,6 +18,7 @@ is saved, so the last checkpoint on disk is the last good one.
 
 from __future__ import annotations
 
+import datetime
 import os
 import time
 
@@ -60,7 +61,7 @@ class Progress:
             f"step {step}/{self.last_step}  loss {metrics['loss']:.4f}  "
             f"token_acc {metrics['token_accuracy']:.3f}  "
             f"{examples_per_s:.1f} examples/s  "
-            f"ETA {time.strftime('%H:%M:%S', time.gmtime(eta))}",
+            f"ETA {datetime.timedelta(seconds=round(eta))}",
             flush=True,
         )
         return {"steps_per_sec": steps_per_s, "examples_per_sec": examples_per_s}
@@ -133,11 +134,12 @@ def train(
 ) -> trainer.TrainState:
     """Trains until step TRAIN_STEPS (absolute unless relative_steps; see the module docstring)."""
     partitioner = partitioner or Partitioner()
-    if batch_size % (partitioner.data_parallelism * num_microbatches):
-        raise UserError(
-            f"BATCH_SIZE={batch_size} must divide into {partitioner.data_parallelism} data-parallel"
-            f" shards x {num_microbatches} microbatches"
-        )
+    partitioner.check_batch_size("BATCH_SIZE", batch_size, num_microbatches)
+    partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size or batch_size)
+    checkpoints.check_save_dtype(checkpoint_dtype)
+    for name, period in (("SAVE_PERIOD", save_period), ("train.log_period", log_period)):
+        if period < 1:
+            raise UserError(f"{name}={period} must be at least 1 (steps between them)")
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     lengths = data.model_lengths(task_feature_lengths)
     # Steps count on from a pretrained checkpoint's step (T5 1.1's is 1,000,000); the input
