@@ -276,6 +276,10 @@ def _check_paths(input_path: str, output_dir: str, overwrite: bool) -> None:
 
     if not tf.io.gfile.exists(input_path):
         raise UserError(f"input file not found: {input_path}; pass --input=PATH (local or gs://)")
+    if tf.io.gfile.isdir(input_path):
+        raise UserError(f"--input={input_path} is a directory; pass the pairs file in it")
+    if tf.io.gfile.exists(output_dir) and not tf.io.gfile.isdir(output_dir):
+        raise UserError(f"--output_dir={output_dir} is a file; pass a directory")
     existing = [
         name
         for name in (*OUTPUT_FILES.values(), STATS_FILE)
@@ -335,9 +339,17 @@ def _convert(input_path: str, staged: _StagedOutput, quoting: str) -> PrepareSta
             for writer in writers.values():
                 writer.close()
     if not sum(stats.pairs.values()):
+        hint = "; GLUE's QQP files need --quoting=none" if quoting == "csv" else ""
         raise UserError(
             f"{input_path}: no usable pairs ({len(stats.rejected)} rows rejected, e.g. "
             f"{stats.rejected[0].describe() if stats.rejected else 'the file has only a header'})"
+            f"{hint}"
+        )
+    empty = [split for split in SPLITS if not stats.pairs[split]]
+    if empty:  # training or evaluating on it would fail later, far from the cause
+        raise UserError(
+            f"{input_path}: {sum(stats.pairs.values())} usable pairs, none in the {empty[0]} "
+            "split (about 10% of pairs go to validation); use a larger file"
         )
     return stats
 

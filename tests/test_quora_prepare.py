@@ -167,8 +167,11 @@ def test_glue_style_tsv_needs_quoting_none_for_a_stray_quote(tmp_path):
         "1\t3\t4\tFine?\tAlso fine?\t1\n"
         "2\t5\t6\tOK?\tYes?\t0\n"
     )
-    with pytest.raises(UserError, match=r"no usable pairs \(1 rows rejected, e\.g\. lines 2-4: "):
+    with pytest.raises(
+        UserError, match=r"no usable pairs \(1 rows rejected, e\.g\. lines 2-4: "
+    ) as e:
         quora_data.prepare(str(source), str(tmp_path / "quoted"))
+    assert str(e.value).endswith("; GLUE's QQP files need --quoting=none")
     assert not (tmp_path / "quoted").exists()  # a failed run leaves nothing, not even the dir
 
     stats = quora_data.prepare(str(source), str(tmp_path / "plain"), quoting="none")
@@ -184,7 +187,16 @@ def test_unknown_header_and_missing_input_are_user_errors(tmp_path):
         quora_data.prepare(str(source), str(tmp_path / "out"))
     with pytest.raises(UserError, match="input file not found"):
         quora_data.prepare(str(tmp_path / "nope.csv"), str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path)) == ["test.tsv"]
+    with pytest.raises(UserError, match="is a directory; pass the pairs file in it"):
+        quora_data.prepare(str(tmp_path), str(tmp_path / "out"))
+    with pytest.raises(UserError, match="test.tsv is a file; pass a directory"):
+        quora_data.prepare(KAGGLE_CSV, str(source))
+    # Pairs only in train (id 0 goes to validation, ids 1 and 2 to train): eval would fail later.
+    one_split = tmp_path / "one_split.tsv"
+    one_split.write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n1\t3\t4\tA?\tB?\t1\n")
+    with pytest.raises(UserError, match="1 usable pairs, none in the validation split"):
+        quora_data.prepare(str(one_split), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["one_split.tsv", "test.tsv"]
 
 
 def test_existing_output_is_kept_without_overwrite(hostile_csv, tmp_path):
