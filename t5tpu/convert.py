@@ -75,6 +75,8 @@ def _t5tpu_step_dir(path: str) -> tuple[str, int] | None:
 
 def detect_format(path: str) -> str:
     """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory)."""
+    if not tf.io.gfile.exists(path) and not tf.io.gfile.exists(f"{path}.index"):  # Mesh TF prefix
+        raise UserError(f"checkpoint {path} does not exist")
     if hf_format.is_hf_directory(path):
         return "hf"
     if _t5tpu_step_dir(path):

@@ -12,6 +12,7 @@ import importlib
 import inspect
 import os
 import re
+import tokenize
 
 import gin
 import jax
@@ -57,7 +58,11 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
         raise UserError(
             f"{str(e).splitlines()[0]} Check the --gin_file path or add --gin_search_paths"
         ) from None
-    except (ValueError, SyntaxError) as e:
+    except (ValueError, SyntaxError, tokenize.TokenError) as e:
+        binding = (getattr(e, "text", None) or "").strip()
+        if isinstance(e, SyntaxError) and binding and not e.filename:  # a command-line binding
+            hint = _quoting_hint(binding)
+            raise UserError(f"cannot parse the binding `{binding}`{hint}") from None
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
 
@@ -78,6 +83,15 @@ def _check_macros(bindings: list[str]) -> None:
             close = difflib.get_close_matches(name, sorted(used), n=1)
             hint = f"; did you mean {close[0]}?" if close else ""
             raise UserError(f"{name} is bound but no setting uses %{name}{hint}")
+
+
+def _quoting_hint(binding: str) -> str:
+    """A bare string value is the commonest slip on a command line: say how to quote it."""
+    name, _, value = binding.partition("=")
+    value = value.strip()
+    if not value or value[0] in "'\"@%([{" or value[0].isdigit():
+        return ""
+    return f"; strings need quotes: --gin.{name.strip()}=\"'{value}'\""
 
 
 def _compact(error: Exception) -> list[str]:

@@ -173,6 +173,13 @@ def run_tool(name: str, argv: list[str]) -> None:
     sys.exit(code or 0)
 
 
+def print_help() -> None:
+    # absl's own --help describes the console-script wrapper, not t5tpu, and exits 1.
+    print(__doc__.strip(), USAGE, sep="\n\n")
+    print(f"\ngin subcommands: {', '.join(RUNNERS)}; tools: {', '.join(TOOLS)}")
+    print(flags.FLAGS.module_help(sys.modules[__name__]))
+
+
 def run() -> None:
     """Console-script entry point."""
     host_memory.keep_freed_memory()  # before jax or TensorFlow start their threads
@@ -181,6 +188,9 @@ def run() -> None:
     logging.set_verbosity(logging.FATAL)
     if len(sys.argv) > 1 and sys.argv[1] in TOOLS:
         run_tool(sys.argv[1], sys.argv[2:])
+    if {"-h", "--help", "--helpshort", "help"} & set(sys.argv[1:]):
+        print_help()
+        sys.exit(0)
     app.run(main, argv=rewrite_gin_shorthand(sys.argv), flags_parser=parse_flags)
 
 

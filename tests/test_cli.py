@@ -156,6 +156,14 @@ BAD_INPUTS = {
         ["train", *memorize_flags("--gin.TRAIN_STEPS=1e3")],
         "TRAIN_STEPS = 1000.0 must be a whole number",
     ),
+    "unquoted string": (
+        ["eval", *memorize_flags("--gin.EVAL_SPLIT=train")],
+        "strings need quotes: --gin.EVAL_SPLIT=\"'train'\"",
+    ),
+    "missing initial checkpoint": (
+        ["train", *memorize_flags("--gin.INITIAL_CHECKPOINT_PATH='/no/such/checkpoint_5'")],
+        "checkpoint /no/such/checkpoint_5 does not exist",
+    ),
     "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),
     "MODEL_DIR is a file": (
         ["train", *memorize_flags("--gin.MODEL_DIR='{model_dir}/config.gin'")],
@@ -177,3 +185,10 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, trained_dir):
     assert len(lines) == 1 and lines[0].startswith("t5tpu: error: "), run.stderr[-2000:]
     assert expected in lines[0]
     assert _digest(model_dir) == before
+
+
+def test_help_names_the_subcommands_and_flags_and_exits_0():
+    run = t5tpu("--help")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "gin subcommands: train, eval, infer, plan" in run.stdout
+    assert "--gin_file" in run.stdout and "--gin_search_paths" in run.stdout
