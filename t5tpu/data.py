@@ -123,36 +123,23 @@ def to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedShard
     """This host's rows of a global batch -> global arrays sharded over the mesh's 'data' axis.
 
     The host's devices hold some rows (data shards) of the global batch, not necessarily
-    adjacent ones (on a TPU pod the mesh follows the physical torus); the local rows fill them
-    in order. Which example lands in which global row does not matter to a training step."""
-    rows = host_data_rows(sharding)[jax.process_index()]
-    data_size = sharding.mesh.shape["data"]
+    adjacent ones (on a TPU pod the mesh follows the physical torus); jax fills them with the
+    local rows in order. Which example lands in which global row does not matter to a step."""
+    host_shards = len(host_data_rows(sharding)[jax.process_index()])
+    scale = sharding.mesh.shape["data"] / host_shards  # global rows per local row
     placed = {}
     for name, local in batch.items():
         local = np.asarray(local)
-        per_row, remainder = divmod(local.shape[0], len(rows))
-        if remainder:
-            raise UserError(
-                f"host batch of {local.shape[0]} rows does not split over its {len(rows)} "
-                "data shards; make BATCH_SIZE a multiple of the data-parallel devices"
-            )
-        offset = {row: i * per_row for i, row in enumerate(rows)}
-
-        def rows_for(index, local=local, per_row=per_row, offset=offset):
-            begin = offset[(index[0].start or 0) // per_row]  # the data shard's local rows
-            return local[(slice(begin, begin + per_row),) + tuple(index[1:])]
-
-        global_shape = (per_row * data_size,) + local.shape[1:]
-        placed[name] = jax.make_array_from_callback(global_shape, sharding, rows_for)
+        global_shape = (round(local.shape[0] * scale),) + local.shape[1:]
+        placed[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
     return placed
 
 
 def full_batch_to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
     """A batch that every host holds in full (evaluation, inference) -> global arrays."""
-    arrays = {k: np.asarray(v) for k, v in batch.items()}
     return {
-        k: jax.make_array_from_callback(v.shape, sharding, lambda index, v=v: v[index])
-        for k, v in arrays.items()
+        k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))
+        for k, v in batch.items()
     }
 
 
