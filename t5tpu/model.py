@@ -88,25 +88,28 @@ class EncoderDecoderModel:
         )
 
     def loss(self, params, batch, dropout_rng=None) -> tuple[Array, dict[str, Array]]:
-        """Summed weighted loss and its parts; `metrics['normalizer']` is what to divide by."""
+        """Summed weighted loss and its parts (sums: microbatches add them up before the
+        trainer divides by `normalizer`)."""
         logits = self._logits(params, batch, dropout_rng)
         targets = batch["decoder_target_tokens"]
         weights = batch.get("decoder_loss_weights", (targets > 0).astype(jnp.float32))
         token_loss, z_term = cross_entropy(logits, targets, self.label_smoothing, self.z_loss)
         num_tokens = jnp.sum(weights)
-        if isinstance(self.loss_normalizing_factor, (int, float)):
-            normalizer = jnp.float32(self.loss_normalizing_factor)
-        else:
-            normalizer = num_tokens
         correct = (jnp.argmax(logits, -1) == targets) * weights
         metrics = {
             "loss_sum": jnp.sum(token_loss * weights),
             "z_loss_sum": jnp.sum(z_term * weights),
             "correct_tokens": jnp.sum(correct),
             "num_tokens": num_tokens,
-            "normalizer": normalizer,
         }
         return metrics["loss_sum"], metrics
+
+    def normalizer(self, num_tokens: Array) -> Array:
+        """What summed losses and gradients are divided by: a fixed loss_normalizing_factor, or
+        the number of target tokens in the whole batch."""
+        if isinstance(self.loss_normalizing_factor, (int, float)):
+            return jnp.float32(self.loss_normalizing_factor)
+        return jnp.maximum(num_tokens, 1.0)
 
     def score(self, params, batch) -> Array:
         """Log-likelihood of each example's targets, summed over its tokens."""

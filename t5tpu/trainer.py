@@ -90,10 +90,7 @@ def train_step(
     grads, sums = _sum_grads_over_microbatches(
         loss_fn, state.params, batch, rng, num_microbatches, grad_shardings
     )
-    if isinstance(model.loss_normalizing_factor, (int, float)):
-        normalizer = jnp.float32(model.loss_normalizing_factor)
-    else:
-        normalizer = jnp.maximum(sums["num_tokens"], 1.0)
+    normalizer = model.normalizer(sums["num_tokens"])
     grads = jax.tree_util.tree_map(lambda g: g / normalizer, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
