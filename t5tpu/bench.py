@@ -106,8 +106,8 @@ def build_model(args):
     from t5tpu.network import T5Config
 
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
-    # Model files leave DROPOUT_RATE to the run files; the benchmark sets it from its flag.
-    bindings = [*args.gin_bindings, f"DROPOUT_RATE = {args.dropout_rate!r}"]
+    # Model files leave DROPOUT_RATE to the run files; the benchmark sets dropout from its flag.
+    bindings = [*args.gin_bindings, f"T5Config.dropout_rate = {args.dropout_rate!r}"]
     # gin logs every search path it tries as an error; only the outcome matters here.
     root_logger = logging.getLogger()
     level = root_logger.level
