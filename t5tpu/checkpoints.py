@@ -202,6 +202,8 @@ def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:
         return [available[-1]]
     if checkpoint_step == "all":
         return available
+    if isinstance(checkpoint_step, str) and checkpoint_step.isdigit():  # a quoted step, '8'
+        checkpoint_step = int(checkpoint_step)
     if isinstance(checkpoint_step, int) and checkpoint_step in available:
         return [checkpoint_step]
     raise UserError(

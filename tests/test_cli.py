@@ -95,8 +95,11 @@ def test_eval_all_checkpoints_and_infer_from_text_file(trained_dir, tmp_path):
 
     questions = tmp_path / "questions.txt"
     questions.write_text("generate similar question: how do i learn python?\n\n" * 1)
+    step_as_text = f"--gin.CHECKPOINT_STEP='{STEPS}'"  # a quoted step works like a number
     run = t5tpu(
-        "infer", *memorize_flags(f"--gin.INFER_INPUT_FILE='{questions}'"), model_dir=model_dir
+        "infer",
+        *memorize_flags(f"--gin.INFER_INPUT_FILE='{questions}'", step_as_text),
+        model_dir=model_dir,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     path = pathlib.Path(f"{model_dir}/inference/questions-{STEPS}.jsonl")
