@@ -1,7 +1,8 @@
 """Checkpoints in MODEL_DIR with orbax: MODEL_DIR/checkpoint_<step>/{params,opt_state}.
 
 Parameters and optimizer state are separate items, so eval and infer restore parameters alone
-without knowing the optimizer. Orbax writes to a temporary directory and renames it when the
+without knowing the optimizer; input_position/ holds each training process's place in its input
+stream. Orbax writes to a temporary directory and renames it when the
 save is complete, so a crash mid-save never leaves a checkpoint that restore would pick; a
 checkpoint_N directory damaged some other way (a partial copy, a lost file) is skipped with a
 warning by `usable_steps`, and renamed checkpoint_N.incomplete when a run saves step N again.
@@ -55,6 +56,13 @@ _unstack_layers = jax.jit(layer_stacking.unstack_layers)
 
 def _unrolled(tree):
     return _unstack_layers(tree) if layer_stacking.is_stacked(tree) else tree
+
+
+def input_position_path(mngr: ocp.CheckpointManager, step: int) -> str:
+    """Where this process keeps the input stream's position at `step` (data.InputStream.save):
+    inside checkpoint_<step>, so it goes when orbax deletes that checkpoint."""
+    step_dir = epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+    return str(step_dir / "input_position" / f"process_{jax.process_index()}")
 
 
 def check_save_dtype(dtype: str) -> None:

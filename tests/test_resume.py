@@ -104,8 +104,23 @@ def test_sigterm_saves_current_step_and_exits_0_then_resumes_exactly(uninterrupt
     assert saved, out
     step = int(saved[0].split("checkpoint_")[1].split(";")[0])
     assert 6 <= step < STEPS and os.path.isdir(os.path.join(model_dir, f"checkpoint_{step}"))
+    assert os.path.exists(f"{model_dir}/checkpoint_{step}/input_position/process_0.index")
     resumed = train(model_dir)
     assert f"resuming from {model_dir}/checkpoint_{step}" in resumed.stdout
+    assert "input position" not in resumed.stderr  # restored, not skipped
+    assert_bitwise_equal(load(model_dir), uninterrupted)
+
+
+def test_unreadable_input_position_falls_back_to_skipping_exactly(uninterrupted, tmp_path):
+    model_dir = str(tmp_path)
+    train(model_dir, "--gin.TRAIN_STEPS=8")
+    position = os.path.join(model_dir, "checkpoint_8", "input_position")
+    for name in os.listdir(position):
+        if ".data-" in name:
+            with open(os.path.join(position, name), "wb") as f:
+                f.write(b"not a tensor bundle")
+    run = train(model_dir)
+    assert "does not fit this pipeline" in run.stderr and "skipping 8 batches" in run.stderr
     assert_bitwise_equal(load(model_dir), uninterrupted)
 
 

@@ -2,9 +2,10 @@
 
 Where training starts, in order:
 1. the newest complete checkpoint in MODEL_DIR — an exact resume: parameters, optimizer state
-   and step come back, dropout randomness is derived from the step, and the input stream skips
-   the batches already used, so a killed and restarted run ends with the same parameters, bit
-   for bit, as one that was never interrupted;
+   and step come back, dropout randomness is derived from the step, and the input stream
+   continues where it stood (its saved position, else by skipping the batches already used),
+   so a killed and restarted run ends with the same parameters, bit for bit, as one that was
+   never interrupted;
 2. else INITIAL_CHECKPOINT_PATH — parameters only, fresh optimizer state; step counting
    continues from that checkpoint's step as in T5X (TRAIN_STEPS is absolute), or starts from it
    with `train.relative_steps = True` (TRAIN_STEPS more steps); the input starts at its first
@@ -177,6 +178,7 @@ def train(
         use_packing,
         skip_batches=batches_used,
         layout=layout,
+        saved_position=checkpoints.input_position_path(mngr, first_step),
     )
     evaluator = None
     if eval_period:
@@ -219,6 +221,7 @@ def train(
                 writer.write_scalars(step, metrics)
             if save:
                 checkpoints.save(mngr, step, state.params, state.opt_state, checkpoint_dtype)
+                batches.save(checkpoints.input_position_path(mngr, step))
             if preempted:
                 print(f"SIGTERM: saved checkpoint_{step}; rerun the same command to continue")
                 return state
