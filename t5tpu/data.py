@@ -8,6 +8,7 @@ Evaluation and inference read every example on every host and place the full bat
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
 import os
@@ -113,9 +114,13 @@ def train_batches(
             shard_info=seqio.ShardInfo(index=layout.shard_index, num_shards=layout.num_shards),
         )
         ds = ds.batch(layout.local_batch_size, drop_remainder=True)
-        return InputStream(ds.prefetch(tf.data.AUTOTUNE))
+        return InputStream(ds.prefetch(tf.data.AUTOTUNE), pipeline)
 
-    if saved_position and tf.io.gfile.exists(f"{saved_position}.index"):
+    # A position only fits the pipeline that saved it: a run resumed with another batch size,
+    # task or host layout must not get the old pipeline's buffered batches.
+    settings = (task_name, sorted(task_feature_lengths.items()), seed, pack, split, layout)
+    pipeline = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+    if saved_position and tf.io.gfile.exists(f"{saved_position}.{pipeline}.index"):
         restored = stream()
         try:
             restored.restore(saved_position)
@@ -137,8 +142,9 @@ class InputStream:
     it costs a fraction of a second, where skipping runs every skipped example through the
     pipeline again (minutes at step 20,000 of a batch-256 recipe)."""
 
-    def __init__(self, ds: tf.data.Dataset):
+    def __init__(self, ds: tf.data.Dataset, pipeline: str):
         self._iterator = iter(ds)
+        self._pipeline = pipeline  # names the saved files: a fingerprint of the settings
 
     def __iter__(self):
         return self
@@ -152,10 +158,11 @@ class InputStream:
 
     def save(self, prefix: str) -> None:
         """Writes the position (the shuffle and prefetch buffers included) to `prefix`.*."""
-        tf.train.Checkpoint(input=self._iterator).write(prefix)
+        tf.train.Checkpoint(input=self._iterator).write(f"{prefix}.{self._pipeline}")
 
     def restore(self, prefix: str) -> None:
-        tf.train.Checkpoint(input=self._iterator).read(prefix).assert_consumed()
+        checkpoint = tf.train.Checkpoint(input=self._iterator)
+        checkpoint.read(f"{prefix}.{self._pipeline}").assert_consumed()
 
 
 def examples_in(batch: Mapping[str, np.ndarray]) -> int:

@@ -104,7 +104,8 @@ def test_sigterm_saves_current_step_and_exits_0_then_resumes_exactly(uninterrupt
     assert saved, out
     step = int(saved[0].split("checkpoint_")[1].split(";")[0])
     assert 6 <= step < STEPS and os.path.isdir(os.path.join(model_dir, f"checkpoint_{step}"))
-    assert os.path.exists(f"{model_dir}/checkpoint_{step}/input_position/process_0.index")
+    position = os.listdir(f"{model_dir}/checkpoint_{step}/input_position")
+    assert any(name.startswith("process_0.") and name.endswith(".index") for name in position)
     resumed = train(model_dir)
     assert f"resuming from {model_dir}/checkpoint_{step}" in resumed.stdout
     assert "input position" not in resumed.stderr  # restored, not skipped
@@ -122,6 +123,14 @@ def test_unreadable_input_position_falls_back_to_skipping_exactly(uninterrupted,
     run = train(model_dir)
     assert "does not fit this pipeline" in run.stderr and "skipping 8 batches" in run.stderr
     assert_bitwise_equal(load(model_dir), uninterrupted)
+
+
+def test_resume_with_another_batch_size_skips_instead_of_restoring(tmp_path):
+    """The saved position holds buffered batches of the old size: it must not be restored."""
+    model_dir = str(tmp_path)
+    train(model_dir, "--gin.TRAIN_STEPS=4")
+    run = train(model_dir, "--gin.TRAIN_STEPS=6", "--gin.BATCH_SIZE=4")
+    assert "training steps 4..6" in run.stdout and "input from batch 4" in run.stdout
 
 
 def test_damaged_newest_checkpoint_is_skipped_with_a_warning(uninterrupted, tmp_path):
