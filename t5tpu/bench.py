@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.errors import UserError
+from t5tpu.errors import ArgumentParser, UserError
 
 WORKLOADS = ("train", "score", "greedy", "beam", "pipeline")
 HF = "hf_torch"
@@ -47,7 +47,7 @@ OURS = "t5tpu"
 def parse_args(argv: list[str]) -> argparse.Namespace:
     from t5tpu.main import rewrite_gin_shorthand
 
-    p = argparse.ArgumentParser(prog="t5tpu bench", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="t5tpu bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], help="model gin file(s)")
     p.add_argument("--gin_bindings", action="append", default=[], help="'NAME = VALUE'")
     p.add_argument("--gin_search_paths", default="", help="comma-separated directories")

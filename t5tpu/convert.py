@@ -16,7 +16,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 
@@ -35,7 +34,7 @@ from t5tpu import (
     t5x_format,
     vocab,
 )
-from t5tpu.errors import UserError
+from t5tpu.errors import ArgumentParser, UserError
 from t5tpu.network import T5Config
 
 IMPORTERS = {"hf": hf_format, "t5x": t5x_format, "mesh_tf": mesh_tf_format}
@@ -332,8 +331,8 @@ def _export(args) -> int:
     return 0
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+def _parser() -> ArgumentParser:
+    parser = ArgumentParser(
         prog="t5tpu convert",
         description="Convert T5 checkpoints: Hugging Face, T5X or Mesh TF into a t5tpu "
         "checkpoint plus model.gin; or (--to=hf) a t5tpu checkpoint into a Hugging Face "

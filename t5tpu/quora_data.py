@@ -5,7 +5,6 @@ The Quora release is a tab-separated file whose fields are csv-quoted where need
 even holds a quoted newline, so records must be read with a quote-aware reader, never by lines.
 """
 
-import argparse
 import csv
 import dataclasses
 import hashlib
@@ -14,7 +13,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
-from t5tpu.errors import UserError
+from t5tpu.errors import ArgumentParser, UserError
 
 FIELDS = ("id", "qid1", "qid2", "question1", "question2", "is_duplicate")
 SPLITS = ("train", "validation")
@@ -407,7 +406,7 @@ def summary(stats: PrepareStats, output_dir: str) -> str:
 
 def main(argv: list[str]) -> int:
     """`t5tpu prepare-quora --input=PATH --output_dir=DIR [--overwrite]`."""
-    parser = argparse.ArgumentParser(
+    parser = ArgumentParser(
         prog="t5tpu prepare-quora",
         description="Split Quora question pairs (Kaggle train.csv or a QQP TSV) into "
         "TFRecord train/validation files (about 10%% validation, by a hash of the pair id).",

@@ -86,6 +86,7 @@ def test_forward_flops_match_xla_count():
         (["--workloads=train,fly"], "unknown workload(s) fly"),
         (["--batch_size=0"], "must be positive"),
         (["--num_beams=0"], "--num_beams must be >= 1"),
+        (["--steps=x"], "argument --steps: invalid int value: 'x'; see t5tpu bench --help"),
     ],
 )
 def test_bad_flags_are_user_errors(flags, message):

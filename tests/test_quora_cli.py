@@ -71,6 +71,13 @@ def test_prepare_then_train_eval_infer_similar_questions(tmp_path):
         "stats.json; pass --overwrite to replace them or choose another --output_dir"
     ]
     assert (data_dir / "stats.json").read_bytes() == stats
+    # A missing flag too: one line, not argparse's usage block.
+    run = t5tpu("prepare-quora", f"--input={KAGGLE_CSV}")
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "t5tpu: error: the following arguments are required: --output_dir; "
+        "see t5tpu prepare-quora --help"
+    ]
 
     model_dir = tmp_path / "model"
     flags = [
