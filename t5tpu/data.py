@@ -99,6 +99,10 @@ def train_batches(
         if batch_size % num_hosts:
             raise UserError(f"BATCH_SIZE={batch_size} must be a multiple of the {num_hosts} hosts")
         layout = DataLayout(jax.process_index(), num_hosts, batch_size // num_hosts)
+    # A position only fits the pipeline that saved it: a run resumed with another batch size,
+    # task or host layout must not get the old pipeline's buffered batches.
+    settings = (task_name, sorted(task_feature_lengths.items()), seed, pack, split, layout)
+    pipeline = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
 
     def stream():
         ds = seqio.get_dataset(
@@ -116,10 +120,6 @@ def train_batches(
         ds = ds.batch(layout.local_batch_size, drop_remainder=True)
         return InputStream(ds.prefetch(tf.data.AUTOTUNE), pipeline)
 
-    # A position only fits the pipeline that saved it: a run resumed with another batch size,
-    # task or host layout must not get the old pipeline's buffered batches.
-    settings = (task_name, sorted(task_feature_lengths.items()), seed, pack, split, layout)
-    pipeline = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
     if saved_position and tf.io.gfile.exists(f"{saved_position}.{pipeline}.index"):
         restored = stream()
         try:
