@@ -58,11 +58,14 @@ def _unrolled(tree):
     return _unstack_layers(tree) if layer_stacking.is_stacked(tree) else tree
 
 
+def _step_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
+    return epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+
+
 def input_position_path(mngr: ocp.CheckpointManager, step: int) -> str:
     """Where this process keeps the input stream's position at `step` (data.InputStream.save):
     inside checkpoint_<step>, so it goes when orbax deletes that checkpoint."""
-    step_dir = epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
-    return str(step_dir / "input_position" / f"process_{jax.process_index()}")
+    return str(_step_dir(mngr, step) / "input_position" / f"process_{jax.process_index()}")
 
 
 def check_save_dtype(dtype: str) -> None:
@@ -75,7 +78,7 @@ def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str =
     and optimizer state; blocks until the checkpoint is complete on disk."""
     check_save_dtype(dtype)
     if step in mngr.all_steps():
-        step_dir = epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+        step_dir = _step_dir(mngr, step)
         if _incomplete_reason(step_dir, ITEMS) is None:
             return  # already saved at this step (e.g. the final save right after a periodic one)
         # Damaged, so skipped on restore; kept under another name, since it may be worth a look.
@@ -111,7 +114,7 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
     with a warning (they are never loaded, and never deleted: they may be worth a look)."""
     steps = []
     for step in sorted(mngr.all_steps()):
-        step_dir = epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+        step_dir = _step_dir(mngr, step)
         reason = _incomplete_reason(step_dir, items)
         if reason:
             print(f"t5tpu: warning: skipping incomplete {step_dir} ({reason})", file=sys.stderr)

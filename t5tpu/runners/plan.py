@@ -231,7 +231,7 @@ def plan(
     partitioner = partitioner or _setting("partitioner", None) or Partitioner()
     topology = partitioner.topology
     with compiled_memory.libtpu_environment(topology) if compile else contextlib.nullcontext():
-        num_devices = partitioner.topology.num_devices or jax.device_count()
+        num_devices = topology.num_devices or jax.device_count()
         result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
         compiled = _compile(result, optimizer, partitioner) if compile else None
     fits = _fits(result, compiled)
