@@ -27,6 +27,9 @@ from t5tpu.errors import UserError
 
 STEP_PREFIX = "checkpoint"
 ITEMS = ("params", "opt_state")
+# Saved in each checkpoint's metadata: the step before the run read its first input batch (a
+# pretrained checkpoint's step when it fine-tunes one, else 0).
+INPUT_START_STEP = "input_start_step"
 SAVE_DTYPES = ("float32", "bfloat16")
 
 
@@ -73,9 +76,17 @@ def check_save_dtype(dtype: str) -> None:
         raise UserError(f"CHECKPOINT_DTYPE={dtype!r}; use one of {', '.join(SAVE_DTYPES)}")
 
 
-def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str = "float32") -> None:
+def save(
+    mngr: ocp.CheckpointManager,
+    step: int,
+    params,
+    opt_state,
+    dtype: str = "float32",
+    input_start_step: int = 0,
+) -> None:
     """Saves parameters (cast to `dtype`: 'bfloat16' halves the size, and makes resume inexact)
-    and optimizer state; blocks until the checkpoint is complete on disk."""
+    and optimizer state, and `input_start_step` (see INPUT_START_STEP) in the checkpoint's
+    metadata; blocks until the checkpoint is complete on disk."""
     check_save_dtype(dtype)
     if step in mngr.all_steps():
         step_dir = _step_dir(mngr, step)
@@ -95,6 +106,7 @@ def save(mngr: ocp.CheckpointManager, step: int, params, opt_state, dtype: str =
             params=ocp.args.StandardSave(params),
             opt_state=ocp.args.StandardSave(opt_state),
         ),
+        custom_metadata={INPUT_START_STEP: input_start_step},
         force=True,
     )
     mngr.wait_until_finished()
@@ -121,6 +133,19 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
         else:
             steps.append(step)
     return steps
+
+
+def resume_point(model_dir: str) -> tuple[int, int | None] | None:
+    """(step, input_start_step) of the newest complete checkpoint in `model_dir`, None if there
+    is none; creates nothing. input_start_step is None in checkpoints saved before t5tpu
+    recorded it."""
+    if not epath.Path(model_dir).is_dir():
+        return None
+    mngr = manager(model_dir, read_only=True)
+    steps = usable_steps(mngr)
+    if not steps:
+        return None
+    return steps[-1], mngr.metadata(steps[-1]).custom_metadata.get(INPUT_START_STEP)
 
 
 def _with_shardings(abstract, shardings):

@@ -164,7 +164,13 @@ BAD_INPUTS = {
         "strings need quotes: --gin.EVAL_SPLIT=\"'train'\"",
     ),
     "missing initial checkpoint": (
-        ["train", *memorize_flags("--gin.INITIAL_CHECKPOINT_PATH='/no/such/checkpoint_5'")],
+        [
+            "train",
+            *memorize_flags(
+                "--gin.INITIAL_CHECKPOINT_PATH='/no/such/checkpoint_5'",
+                "--gin.MODEL_DIR='{model_dir}/fresh'",  # a resume would not read it
+            ),
+        ],
         "checkpoint /no/such/checkpoint_5 does not exist",
     ),
     "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),

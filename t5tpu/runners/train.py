@@ -5,7 +5,7 @@ Where training starts, in order:
    and step come back, dropout randomness is derived from the step, and the input stream
    continues where it stood (its saved position, else by skipping the batches already used),
    so a killed and restarted run ends with the same parameters, bit for bit, as one that was
-   never interrupted;
+   never interrupted; INITIAL_CHECKPOINT_PATH is not read again (it may be gone);
 2. else INITIAL_CHECKPOINT_PATH — parameters only, fresh optimizer state; step counting
    continues from that checkpoint's step as in T5X (TRAIN_STEPS is absolute), or starts from it
    with `train.relative_steps = True` (TRAIN_STEPS more steps); the input starts at its first
@@ -68,13 +68,21 @@ class Progress:
         return {"steps_per_sec": steps_per_s, "examples_per_sec": examples_per_s}
 
 
+def _input_start_step(resume_point, initial_path: str | None) -> int:
+    """The step before the input stream's first batch: a resume's recorded one, else the
+    pretrained checkpoint's step (T5 1.1's is 1,000,000), else 0."""
+    if resume_point and resume_point[1] is not None:
+        return resume_point[1]
+    return convert.pretrained_step(initial_path) if initial_path else 0
+
+
 def _start_state(
-    model, optimizer, abstract, shardings, mngr, lengths, seed, initial_path, initial_step
+    model, optimizer, abstract, shardings, mngr, lengths, seed, resume_point, initial_path, step
 ):
-    """The state to start from, placed on the mesh (see the module docstring for the order)."""
-    usable = checkpoints.usable_steps(mngr)
-    if usable:
-        step = usable[-1]
+    """The state to start from, placed on the mesh (see the module docstring for the order);
+    `step` is the pretrained checkpoint's, used when training does not resume."""
+    if resume_point:
+        step = resume_point[0]
         params, opt_state = checkpoints.restore_state(
             mngr, step, abstract.params, abstract.opt_state, shardings.params, shardings.opt_state
         )
@@ -91,7 +99,7 @@ def _start_state(
 
     def init(rng, params):
         state = trainer.initial_state(model, optimizer, rng, *lengths, params)
-        return state.replace(step=jnp.int32(initial_step))
+        return state.replace(step=jnp.int32(step))
 
     return jax.jit(init, out_shardings=shardings)(jax.random.PRNGKey(seed), params)
 
@@ -143,11 +151,10 @@ def train(
             raise UserError(f"{name}={period} must be at least 1 (steps between them)")
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     lengths = data.model_lengths(task_feature_lengths)
-    # Steps count on from a pretrained checkpoint's step (T5 1.1's is 1,000,000); the input
-    # stream starts at its first batch there, and a resume skips only the batches used since.
-    initial_step = 0
-    if initial_checkpoint_path:
-        initial_step = convert.pretrained_step(initial_checkpoint_path)
+    # Steps count on from a pretrained checkpoint's step; the input stream starts at its first
+    # batch there, and a resume skips only the batches used since.
+    resume_point = checkpoints.resume_point(model_dir)
+    initial_step = _input_start_step(resume_point, initial_checkpoint_path)
     last_step = train_steps + (initial_step if relative_steps else 0)
     abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
     mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
@@ -159,6 +166,7 @@ def train(
         mngr,
         lengths,
         random_seed,
+        resume_point,
         initial_checkpoint_path,
         initial_step,
     )
@@ -220,7 +228,9 @@ def train(
                 metrics.update(progress.report(step, metrics))
                 writer.write_scalars(step, metrics)
             if save:
-                checkpoints.save(mngr, step, state.params, state.opt_state, checkpoint_dtype)
+                checkpoints.save(
+                    mngr, step, state.params, state.opt_state, checkpoint_dtype, initial_step
+                )
                 batches.save(checkpoints.input_position_path(mngr, step))
             if preempted:
                 print(f"SIGTERM: saved checkpoint_{step}; rerun the same command to continue")
