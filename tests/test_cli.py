@@ -74,8 +74,12 @@ def test_greedy_decoding_reproduces_every_training_target(trained_dir):
     model_dir, _ = trained_dir
     run = t5tpu("eval", *memorize_flags(), model_dir=model_dir)
     assert run.returncode == 0, run.stderr[-3000:]
-    metrics = json.loads(pathlib.Path(os.path.join(model_dir, "eval_metrics.json")).read_text())
+    # The memorized pairs are the task's train split, kept apart from validation results.
+    metrics = json.loads(pathlib.Path(f"{model_dir}/eval_train_metrics.json").read_text())
     assert metrics[str(STEPS)]["memorize_similar_questions"]["exact_match"] == 100.0
+    assert metrics[str(STEPS)]["memorize_similar_questions"]["num_examples"] == 32
+    assert not os.path.exists(f"{model_dir}/eval_metrics.json")
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(f"{model_dir}/eval_train"))
 
     run = t5tpu("infer", *memorize_flags(), model_dir=model_dir)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -90,7 +94,7 @@ def test_eval_all_checkpoints_and_infer_from_text_file(trained_dir, tmp_path):
     model_dir, _ = trained_dir
     run = t5tpu("eval", *memorize_flags("--gin.CHECKPOINT_STEP='all'"), model_dir=model_dir)
     assert run.returncode == 0, run.stderr[-3000:]
-    metrics = json.loads(pathlib.Path(os.path.join(model_dir, "eval_metrics.json")).read_text())
+    metrics = json.loads(pathlib.Path(f"{model_dir}/eval_train_metrics.json").read_text())
     assert sorted(metrics, key=int) == [str(STEPS // 2), str(STEPS)]
 
     questions = tmp_path / "questions.txt"

@@ -48,8 +48,23 @@ def test_train_on_the_mixture_then_evaluate_one_task(tmp_path):
     assert list(metrics) == [str(STEPS)]
     assert list(metrics[str(STEPS)]) == ["qp_is_duplicate"]
     values = metrics[str(STEPS)]["qp_is_duplicate"]
-    assert sorted(values) == ["accuracy", "f1_duplicate"]
-    assert all(0.0 <= v <= 100.0 for v in values.values())
+    assert sorted(values) == ["accuracy", "f1_duplicate", "num_examples"]
+    assert values["num_examples"] == 32
+    assert 0.0 <= values["accuracy"] <= 100.0 and 0.0 <= values["f1_duplicate"] <= 100.0
+
+    # The mixture's other task at the same step joins the record instead of replacing it.
+    run = t5tpu(
+        "eval",
+        f"--gin_file={QP_ALL}",
+        model_dir,
+        "--gin.MIXTURE_OR_TASK_NAME='generate_similar_question'",
+        "--gin.EVAL_NUM_EXAMPLES=8",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    metrics = read_json(tmp_path / "eval_metrics.json")[str(STEPS)]
+    assert sorted(metrics) == ["generate_similar_question", "qp_is_duplicate"]
+    assert metrics["qp_is_duplicate"] == values
+    assert metrics["generate_similar_question"]["num_examples"] == 8
 
 
 def test_prepare_then_train_eval_infer_similar_questions(tmp_path):
@@ -94,7 +109,7 @@ def test_prepare_then_train_eval_infer_similar_questions(tmp_path):
     assert run.returncode == 0, run.stderr[-3000:]
     metrics = read_json(model_dir / "eval_metrics.json")[str(STEPS)]
     assert list(metrics) == ["generate_similar_question"]
-    assert sorted(metrics["generate_similar_question"]) == ["bleu", "exact_match"]
+    assert sorted(metrics["generate_similar_question"]) == ["bleu", "exact_match", "num_examples"]
 
     run = t5tpu("infer", *flags)
     assert run.returncode == 0, run.stderr[-3000:]

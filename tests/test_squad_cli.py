@@ -129,8 +129,9 @@ def test_v2_train_eval_infer_writes_metrics_with_breakdowns(v2_model_dir):
     assert set(metrics) == {
         "exact", "f1", "total",
         "HasAns_exact", "HasAns_f1", "HasAns_total",
-        "NoAns_exact", "NoAns_f1", "NoAns_total",
+        "NoAns_exact", "NoAns_f1", "NoAns_total", "num_examples",
     }  # fmt: skip
+    assert metrics["num_examples"] == 16
     assert all(0.0 <= metrics[k] <= 100.0 for k in ("exact", "f1", "HasAns_f1", "NoAns_f1"))
 
     question = "Who was the Norse leader?"

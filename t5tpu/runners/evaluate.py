@@ -1,7 +1,9 @@
 """`t5tpu eval`: restore checkpoints and compute the task's metrics with seqio's Evaluator.
 
 Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json, which maps
-step -> task -> metric and is merged with, never replacing, what earlier evaluations wrote.
+step -> task -> metric (and the task's num_examples); a new evaluation of a task at a step
+replaces that task's entry and keeps every other. Splits other than 'validation' are kept apart,
+in MODEL_DIR/eval_<split> and eval_<split>_metrics.json.
 """
 
 from __future__ import annotations
@@ -21,7 +23,11 @@ from t5tpu.errors import UserError
 from t5tpu.model import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
-METRICS_FILE = "eval_metrics.json"
+
+def run_name(split: str) -> str:
+    """'eval' for the validation split, else 'eval_<split>': names its TensorBoard directory
+    and metrics file, so a quick look at another split never replaces validation results."""
+    return "eval" if split == "validation" else f"eval_{split}"
 
 
 class TaskEvaluator:
@@ -71,8 +77,9 @@ class TaskEvaluator:
             **with_sharding,
         )
         self._score = partitioner.jit(model.score, **with_sharding)
+        self.name = run_name(split)
         self.writer = metric_writers.create_default_writer(
-            os.path.join(model_dir, "eval"), just_logging=jax.process_index() > 0
+            os.path.join(model_dir, self.name), just_logging=jax.process_index() > 0
         )
 
     def _run(self, ds: tf.data.Dataset, fn, params) -> list:
@@ -111,15 +118,19 @@ class TaskEvaluator:
         }
         self.writer.write_scalars(step, scalars)
         self.writer.flush()
-        path = os.path.join(self.model_dir, METRICS_FILE)
+        path = os.path.join(self.model_dir, f"{self.name}_metrics.json")
         recorded = {}
         if tf.io.gfile.exists(path):
             with tf.io.gfile.GFile(path) as f:
                 recorded = json.load(f)
-        recorded[str(step)] = {
-            task: {name: float(v) for name, v in values.items() if np.ndim(v) == 0}
-            for task, values in metrics.items()
-        }
+        datasets = self.evaluator.cached_task_datasets
+        recorded.setdefault(str(step), {}).update(
+            {
+                task: {name: float(v) for name, v in values.items() if np.ndim(v) == 0}
+                | {"num_examples": int(datasets[task].cardinality())}
+                for task, values in metrics.items()
+            }
+        )
         _write_atomically(path, json.dumps(recorded, indent=2, sort_keys=True))
 
 
