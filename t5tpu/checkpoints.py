@@ -154,10 +154,19 @@ def _with_shardings(abstract, shardings):
     )
 
 
+def _key_name(key) -> str:
+    # Dict keys, namedtuple fields (optax states; orbax's metadata has them as dict keys) and
+    # list indices, so a tree and its checkpoint metadata give the same names.
+    for attr in ("key", "name", "idx"):
+        if hasattr(key, attr):
+            return str(getattr(key, attr))
+    return str(key)
+
+
 def flat_shapes(tree) -> dict[str, tuple]:
     """{'encoder/layers_0/attention/query/kernel': shape, ...} for a tree of arrays/metadata."""
     return {
-        "/".join(str(getattr(k, "key", k)) for k in path): tuple(leaf.shape)
+        "/".join(_key_name(k) for k in path): tuple(leaf.shape)
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
     }
 
@@ -189,11 +198,28 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
         )
 
 
+def _check_optimizer(mngr, step: int, unrolled_opt_state) -> None:
+    """Refuses optimizer state of another optimizer or settings (AdamW's moments where the run
+    has Adafactor's factored ones), which orbax would reject with a tree-structure dump."""
+    differences = geometry_differences(
+        flat_shapes(mngr.item_metadata(step)["opt_state"]), flat_shapes(unrolled_opt_state)
+    )
+    if differences:
+        raise UserError(
+            f"checkpoint {mngr.directory}/{STEP_PREFIX}_{step} holds the state of another "
+            f"optimizer or optimizer settings ({differences}); resume with those of its "
+            "config.gin, or fine-tune from its parameters in a new MODEL_DIR with "
+            "INITIAL_CHECKPOINT_PATH"
+        )
+
+
 def _restore(mngr, step, abstract: dict, shardings: dict):
     """Restores the items in `abstract` ({item: tree of shapes}) onto `shardings` ({item: tree
     of shardings}): read unrolled as on disk, then stacked where the model scans its layers."""
     check_geometry(mngr, step, abstract["params"])
     unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract, shardings)
+    if "opt_state" in unrolled:
+        _check_optimizer(mngr, step, unrolled["opt_state"])
     restored = mngr.restore(
         step,
         args=ocp.args.Composite(

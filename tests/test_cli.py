@@ -178,6 +178,10 @@ BAD_INPUTS = {
         "checkpoint /no/such/checkpoint_5 does not exist",
     ),
     "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),
+    "resume with another optimizer": (
+        ["train", *memorize_flags("--gin.train.optimizer=@adamw()")],
+        "holds the state of another optimizer or optimizer settings (0/mu/",
+    ),
     "MODEL_DIR is a file": (
         ["train", *memorize_flags("--gin.MODEL_DIR='{model_dir}/config.gin'")],
         "config.gin is a file; give a directory",
