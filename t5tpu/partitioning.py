@@ -106,6 +106,17 @@ def mesh_shape(num_devices: int, num_partitions: int) -> dict[str, int]:
     return {"data": num_devices // num_partitions, "model": num_partitions}
 
 
+def check_batch_size(
+    name: str, batch_size: int, data_parallelism: int, num_microbatches: int = 1
+) -> None:
+    """A batch (gin macro `name`) must split evenly over the 'data' axis (and microbatches)."""
+    if batch_size < 1 or batch_size % (data_parallelism * num_microbatches):
+        into = f"{data_parallelism} data-parallel devices"
+        if num_microbatches > 1:
+            into += f" x {num_microbatches} microbatches"
+        raise UserError(f"{name}={batch_size} must be a positive multiple of the {into}")
+
+
 def build_mesh(devices: list, num_partitions: int) -> Mesh:
     """A ('data', 'model') mesh; on TPUs jax's mesh_utils lays 'model' along physical neighbours."""
     shape = tuple(mesh_shape(len(devices), num_partitions).values())
@@ -287,13 +298,7 @@ class Partitioner:
         )
 
     def check_batch_size(self, name: str, batch_size: int, num_microbatches: int = 1) -> None:
-        """A batch (gin macro `name`) must split evenly over the 'data' axis (and microbatches)."""
-        shards = self.data_parallelism * num_microbatches
-        if batch_size < 1 or batch_size % shards:
-            into = f"{self.data_parallelism} data-parallel devices"
-            if num_microbatches > 1:
-                into += f" x {num_microbatches} microbatches"
-            raise UserError(f"{name}={batch_size} must be a positive multiple of the {into}")
+        check_batch_size(name, batch_size, self.data_parallelism, num_microbatches)
 
     def data_layout(self, global_batch_size: int) -> DataLayout:
         """This host's shard of the input for a global batch of `global_batch_size` rows."""

@@ -292,6 +292,16 @@ def test_plan_compile_without_libtpu_says_what_to_install():
     ]
 
 
+def test_plan_refuses_a_batch_that_train_would_refuse():
+    run = t5tpu(
+        "plan", "--gin_file=configs/experiments/qp_all_small_v2-8.gin", "--gin.BATCH_SIZE=100"
+    )
+    assert run.returncode == 2
+    assert run.stderr.strip().splitlines() == [
+        "t5tpu: error: BATCH_SIZE=100 must be a positive multiple of the 8 data-parallel devices"
+    ]
+
+
 def test_every_tpu_topology_names_a_slice_libtpu_knows():
     """Each topology file's Topology.tpu_topology describes its device count (checked by
     compile_only_devices, which raises otherwise)."""

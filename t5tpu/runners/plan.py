@@ -21,7 +21,7 @@ import time
 import gin
 import jax
 
-from t5tpu import compiled_memory, data, gin_setup, memory_plan
+from t5tpu import compiled_memory, data, gin_setup, memory_plan, partitioning
 from t5tpu.errors import UserError
 from t5tpu.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
@@ -88,7 +88,7 @@ def report(
         f"step: batch {w.batch_size}, inputs {w.input_length}, targets {w.target_length}, "
         f"{w.num_microbatches} microbatch(es) -> {per_device} examples per device at a time",
         "",
-        f"{f'per device ({plan.compiler.upper()} compiler)':31}{_unit(plan)[0]}",
+        f"{f'per device (estimated for {plan.compiler.upper()})':31}{_unit(plan)[0]}",
         *(
             f"  {label:22} {value / _unit(plan)[1]:9.2f}"
             for label, value in (
@@ -232,6 +232,11 @@ def plan(
     topology = partitioner.topology
     with compiled_memory.libtpu_environment(topology) if compile else contextlib.nullcontext():
         num_devices = topology.num_devices or jax.device_count()
+        data_parallelism = partitioning.mesh_shape(num_devices, partitioner.num_partitions)["data"]
+        # What `t5tpu train` would refuse is refused here too.
+        partitioning.check_batch_size(
+            "BATCH_SIZE", work.batch_size, data_parallelism, work.num_microbatches
+        )
         result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
         compiled = _compile(result, optimizer, partitioner) if compile else None
     fits = _fits(result, compiled)
