@@ -178,6 +178,18 @@ BAD_INPUTS = {
         "checkpoint /no/such/checkpoint_5 does not exist",
     ),
     "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),
+    "initial checkpoint past TRAIN_STEPS": (
+        [
+            "train",
+            *memorize_flags(
+                f"--gin.INITIAL_CHECKPOINT_PATH='{{model_dir}}/checkpoint_{STEPS}'",
+                "--gin.TRAIN_STEPS=10",
+                "--gin.MODEL_DIR='{model_dir}/fresh'",
+            ),
+        ],
+        f"INITIAL_CHECKPOINT_PATH is at step {STEPS}, not before TRAIN_STEPS=10: steps count on "
+        f"from it as in T5X; set TRAIN_STEPS={STEPS + 10}, or train.relative_steps = True",
+    ),
     "resume with another optimizer": (
         ["train", *memorize_flags("--gin.train.optimizer=@adamw()")],
         "holds the state of another optimizer or optimizer settings (0/mu/",

@@ -96,6 +96,7 @@ def _start_state(
     if initial_path:
         # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
         params = convert.load_pretrained(initial_path, abstract.params, shardings.params)
+        print(f"initialized parameters from {initial_path} (step {step})", flush=True)
 
     def init(rng, params):
         state = trainer.initial_state(model, optimizer, rng, *lengths, params)
@@ -156,6 +157,12 @@ def train(
     resume_point = checkpoints.resume_point(model_dir)
     initial_step = _input_start_step(resume_point, initial_checkpoint_path)
     last_step = train_steps + (initial_step if relative_steps else 0)
+    if not resume_point and initial_step >= last_step > 0:
+        raise UserError(
+            f"INITIAL_CHECKPOINT_PATH is at step {initial_step}, not before TRAIN_STEPS="
+            f"{train_steps}: steps count on from it as in T5X; set TRAIN_STEPS="
+            f"{initial_step + train_steps}, or train.relative_steps = True for {train_steps} more"
+        )
     abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
     mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
     state = _start_state(
