@@ -64,6 +64,18 @@ def fail(message: str) -> None:
     os._exit(2)
 
 
+def interrupted() -> None:
+    """Ctrl-C: one line instead of a traceback. Checkpoints and result files are written to
+    temporary names and renamed, so whatever was cut short leaves nothing half-written."""
+    print(
+        "\nt5tpu: interrupted; what was saved is complete, rerun the same command to continue "
+        "(to stop training with a checkpoint at the current step, send SIGTERM instead)",
+        file=sys.stderr,
+    )
+    sys.stderr.flush()
+    os._exit(130)  # 128 + SIGINT, as a shell reports it
+
+
 def parse_flags(argv: list[str]) -> list[str]:
     try:
         return flags.FLAGS(argv)
@@ -151,6 +163,8 @@ def main(argv: list[str]) -> None:
         runner()
     except UserError as e:
         fail(one_line_message(e))
+    except KeyboardInterrupt:
+        interrupted()
     except RuntimeError as e:
         # gin reports a configurable's unbound gin.REQUIRED argument when it is called.
         message = one_line_message(e)
@@ -170,6 +184,8 @@ def run_tool(name: str, argv: list[str]) -> None:
         code = getattr(importlib.import_module(module_name), function_name)(argv)
     except UserError as e:
         fail(one_line_message(e))
+    except KeyboardInterrupt:
+        interrupted()
     sys.exit(code or 0)
 
 

@@ -48,10 +48,10 @@ def train(model_dir, *extra):
     return run
 
 
-def interrupt(model_dir, at_step, sig):
+def interrupt(model_dir, at_step, sig, stderr=subprocess.DEVNULL):
     """Starts training and sends `sig` once step `at_step` has been reported."""
     proc = subprocess.Popen(
-        command(model_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        command(model_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True
     )
     lines = []
     for line in proc.stdout:
@@ -109,6 +109,19 @@ def test_sigterm_saves_current_step_and_exits_0_then_resumes_exactly(uninterrupt
     resumed = train(model_dir)
     assert f"resuming from {model_dir}/checkpoint_{step}" in resumed.stdout
     assert "input position" not in resumed.stderr  # restored, not skipped
+    assert_bitwise_equal(load(model_dir), uninterrupted)
+
+
+def test_ctrl_c_says_so_in_one_line_and_the_rerun_resumes_exactly(uninterrupted, tmp_path):
+    model_dir = str(tmp_path / "model")
+    with open(tmp_path / "stderr", "w+") as stderr:
+        code, _ = interrupt(model_dir, 6, signal.SIGINT, stderr)
+        stderr.seek(0)
+        lines = [line for line in stderr.read().splitlines() if line.strip()]
+    assert code == 130
+    assert lines[-1].startswith("t5tpu: interrupted; what was saved is complete, rerun")
+    assert not any("Traceback" in line for line in lines), lines
+    train(model_dir)
     assert_bitwise_equal(load(model_dir), uninterrupted)
 
 
