@@ -117,6 +117,11 @@ def _incomplete_reason(step_dir: epath.Path, items) -> str | None:
         return "no _CHECKPOINT_METADATA"
     for item in items:
         if not (step_dir / item / "_METADATA").exists():
+            if item == "opt_state" and not (step_dir / item).exists():
+                return (
+                    "parameters only, as `t5tpu convert` writes; to fine-tune from it, give it "
+                    "as INITIAL_CHECKPOINT_PATH"
+                )
             return f"no {item}/_METADATA"
     return None
 

@@ -254,7 +254,12 @@ def _export_source(path: str) -> tuple[str, int]:
     if not tf.io.gfile.isdir(path):
         raise UserError(f"--input={path} is not a directory; give a t5tpu checkpoint_<step>")
     model_dir = _absolute(path.rstrip("/"))
-    return model_dir, checkpoints.steps_to_restore(model_dir, "latest")[0]
+    try:
+        return model_dir, checkpoints.steps_to_restore(model_dir, "latest")[0]
+    except UserError:
+        raise UserError(
+            f"--input={path} holds no t5tpu checkpoint; give a MODEL_DIR or its checkpoint_<step>"
+        ) from None
 
 
 def _vocabulary_bound() -> bool:

@@ -409,7 +409,7 @@ def main(argv: list[str]) -> int:
     parser = ArgumentParser(
         prog="t5tpu prepare-quora",
         description="Split Quora question pairs (Kaggle train.csv or a QQP TSV) into "
-        "TFRecord train/validation files (about 10%% validation, by a hash of the pair id).",
+        "TFRecord train/validation files (about 10% validation, by a hash of the pair id).",
     )
     parser.add_argument("--input", required=True, help="train.csv or a .tsv; local or gs://")
     parser.add_argument("--output_dir", required=True, help="where the splits go; local or gs://")

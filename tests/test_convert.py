@@ -177,6 +177,10 @@ def test_bad_input_fails_before_anything_is_written(tmp_path):
     (bad / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
     with pytest.raises(UserError, match="lacks vocab_size"):
         convert.main(["--from=hf", f"--input={bad}", f"--output_dir={output}"])
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(UserError, match="holds no t5tpu checkpoint; give a MODEL_DIR or its"):
+        convert.main(["--to=hf", f"--input={empty}", f"--output_dir={output}"])
     assert not output.exists()
 
 
