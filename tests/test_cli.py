@@ -145,6 +145,14 @@ BAD_INPUTS = {
         ["infer", *memorize_flags("--gin.INFER_INPUT_FILE='/no/such/file.txt'")],
         "/no/such/file.txt",
     ),
+    "infer split the task lacks": (
+        ["infer", *memorize_flags("--gin.INFER_SPLIT='test'")],
+        "task 'memorize_similar_questions' has no 'test' split; set INFER_SPLIT to a split",
+    ),
+    "top_k above the vocabulary": (
+        ["infer", *memorize_flags("--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0")],
+        "TOP_K = 5000 must be between 0 (no limit) and the vocabulary size 1024",
+    ),
     "checkpoint of another shape": (
         ["eval", *memorize_flags("--gin.T5Config.emb_dim=64")],
         "another geometry",

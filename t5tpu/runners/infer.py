@@ -7,16 +7,20 @@ name and renamed, so an interrupted run never leaves a half-written result in th
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
+import sys
+import tempfile
 
 import jax
 import numpy as np
 import seqio
 import tensorflow as tf
 
-from t5tpu import checkpoints, data, gin_setup, trainer
-from t5tpu.errors import UserError
+from t5tpu import checkpoints, data, decoding, gin_setup, trainer
+from t5tpu.errors import UserError, one_line_message
 from t5tpu.model import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -40,7 +44,9 @@ def _examples_from_texts(texts: list[str], vocabulary, input_length: int) -> lis
     ]
 
 
-def _examples_from_task(task_name: str, split: str, task_feature_lengths) -> list[dict]:
+def _examples_from_task(
+    task_name: str, split: str, task_feature_lengths, num_examples: int | None
+) -> list[dict]:
     task = data.get_task(task_name)
     if isinstance(task, seqio.Mixture):
         names = ", ".join(t.name for t in task.tasks)
@@ -48,17 +54,81 @@ def _examples_from_task(task_name: str, split: str, task_feature_lengths) -> lis
             f"{task_name} is a mixture; infer reads one task's examples: set "
             f"MIXTURE_OR_TASK_NAME to one of {names}"
         )
-    ds = task.get_dataset(dict(task_feature_lengths), split=split, shuffle=False, num_epochs=1)
-    examples = []
-    for ex in ds.as_numpy_iterator():
-        examples.append(
-            {
-                "input": ex["inputs_pretokenized"].decode(),
-                "target": ex["targets_pretokenized"].decode(),
-                "ids": ex["inputs"].tolist(),
-            }
+    # A source is handed any split name and fails deep inside tf.data (the bundled Quora sample
+    # looks for <split>.tsv), so the split is checked against the ones the task declares.
+    if split not in task.splits:
+        raise UserError(
+            f"nothing to infer: task {task_name!r} has no {split!r} split; set INFER_SPLIT to a "
+            f"split the task has: {', '.join(task.splits)}"
         )
-    return examples
+    why = _missing_files(task, split)
+    if why:
+        raise UserError(_unreadable_split(task_name, split, why))
+    try:
+        with _stderr_held_back():
+            return _read_split(task, split, task_feature_lengths, num_examples)
+    except tf.errors.NotFoundError as e:  # a source of another kind whose file is gone
+        raise UserError(_unreadable_split(task_name, split, _file_error(e))) from None
+
+
+@contextlib.contextmanager
+def _stderr_held_back():
+    """Passes on what is written to stderr (file descriptor 2, where TensorFlow's C++ logs go)
+    inside the block only if the block succeeds: a read that fails logs a warning from tf.data
+    that would come before the one-line error saying the same."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as held:
+        os.dup2(held.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+        held.seek(0)
+        os.write(2, held.read())
+
+
+def _missing_files(task: seqio.Task, split: str) -> str | None:
+    """Why a file source cannot read the split, or None. Checked before reading: seqio raises a
+    bare ValueError for a pattern that matches nothing, and tf.data's reader threads report a
+    missing file with a C++ warning on stderr besides the error."""
+    if not isinstance(task.source, seqio.FileDataSource):
+        return None
+    files = task.source.list_shards(split)  # a pattern without wildcards is listed as it is
+    if not files:
+        return "no file matches its file pattern"
+    missing = [path for path in files if not tf.io.gfile.exists(path)]
+    return f"no file {missing[0]}" if missing else None
+
+
+def _file_error(error: tf.errors.NotFoundError) -> str:
+    """The path and reason of a tf.data read error, without the op names TF wraps them in."""
+    text = one_line_message(error)
+    return re.sub(r"\{\{.*?\}\}|\[Op:.*$", "", text).strip()
+
+
+def _unreadable_split(task_name: str, split: str, why: str) -> str:
+    return (
+        f"cannot read the {split!r} split of task {task_name!r} ({why}); restore its data or "
+        "set INFER_SPLIT to another split"
+    )
+
+
+def _read_split(task, split: str, task_feature_lengths, num_examples: int | None) -> list[dict]:
+    """The first `num_examples` (None: all) examples of the split, in the source's order."""
+    ds = task.get_dataset(dict(task_feature_lengths), split=split, shuffle=False, num_epochs=1)
+    if num_examples is not None:
+        ds = ds.take(num_examples)
+    return [
+        {
+            "input": ex["inputs_pretokenized"].decode(),
+            "target": ex["targets_pretokenized"].decode(),
+            "ids": ex["inputs"].tolist(),
+        }
+        for ex in ds.as_numpy_iterator()
+    ]
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
@@ -82,6 +152,7 @@ def infer(
     inputs: list[str] | None = None,
     mixture_or_task_name: str | None = None,
     split: str = "validation",
+    num_examples: int | None = None,
     batch_size: int = 32,
     checkpoint_step: int | str = "latest",
     temperature: float = 0.0,
@@ -94,21 +165,30 @@ def infer(
     partitioner: Partitioner | None = None,
 ) -> list[str]:
     """Decodes INFER_INPUTS (texts given in gin or on the command line) or INFER_INPUT_FILE (one
-    input per line) if given, else the task's split. Returns the files written."""
+    input per line) if given, else the task's split; only the first `num_examples` of them if
+    that is not None. Returns the files written."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
+    decoding.check_settings(temperature, top_k, num_beams, model.config.vocab_size)
+    if num_examples is not None and num_examples < 1:
+        raise UserError(
+            f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
+        )
     input_length, target_length = data.model_lengths(task_feature_lengths)
     if inputs:
         if isinstance(inputs, str):
             inputs = [inputs]
-        examples = _examples_from_texts(list(inputs), model.vocabulary, input_length)
+        examples = _examples_from_texts(list(inputs)[:num_examples], model.vocabulary, input_length)
         source = "inputs"
     elif input_file:
-        examples = _examples_from_texts(_read_lines(input_file), model.vocabulary, input_length)
+        lines = _read_lines(input_file)[:num_examples]
+        examples = _examples_from_texts(lines, model.vocabulary, input_length)
         source = os.path.splitext(os.path.basename(input_file))[0]
     elif mixture_or_task_name:
         data.get_task(mixture_or_task_name, mixture_or_task_module)
-        examples = _examples_from_task(mixture_or_task_name, split, task_feature_lengths)
+        examples = _examples_from_task(
+            mixture_or_task_name, split, task_feature_lengths, num_examples
+        )
         source = f"{mixture_or_task_name}_{split}"
     else:
         raise UserError(

@@ -1,0 +1,229 @@
+"""What `t5tpu infer` decodes and the settings it refuses: a split the task lacks or cannot
+read, INFER_NUM_EXAMPLES, NUM_BEAMS, and decoding settings (decoding.check_settings) that would
+crash, decode nonsense or be silently ignored. The model is trained for two steps: these tests
+check what is read and refused, not what the model predicts."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+from t5tpu import decoding
+from t5tpu.errors import UserError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
+RUNS = os.path.join(ROOT, "t5tpu", "configs", "runs")
+STEPS = 2
+VALIDATION_PAIRS = 105  # the bundled sample's validation split
+
+
+def t5tpu(*args):
+    cmd = [sys.executable, "-m", "t5tpu.main", *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """The tiny Quora experiment, trained for two steps (a checkpoint to decode with)."""
+    path = tmp_path_factory.mktemp("quora_model")
+    run = t5tpu(
+        "train",
+        f"--gin_file={EXPERIMENT}",
+        f"--gin.MODEL_DIR='{path}'",
+        f"--gin.TRAIN_STEPS={STEPS}",
+        "--gin.BATCH_SIZE=8",
+        f"--gin.SAVE_PERIOD={STEPS}",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return path
+
+
+def infer(model_dir, *extra):
+    return t5tpu("infer", f"--gin_file={EXPERIMENT}", f"--gin.MODEL_DIR='{model_dir}'", *extra)
+
+
+def files_in(folder):
+    return sorted(str(p.relative_to(folder)) for p in pathlib.Path(folder).rglob("*"))
+
+
+def refused(run) -> str:
+    """The one stderr line of a run that refused its input with exit code 2."""
+    lines = [line for line in run.stderr.splitlines() if line.strip()]
+    assert run.returncode == 2 and len(lines) == 1, (run.returncode, run.stderr[-2000:])
+    assert lines[0].startswith("t5tpu: error: ")
+    return lines[0]
+
+
+def read_rows(path):
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+# --- decoding.check_settings ------------------------------------------------------------------
+
+VOCAB = 1024
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, num_beams",
+    [(0.0, 0, 1), (1, 0, 1), (0.7, 40, 1), (1.0, VOCAB, 1), (0.0, 5, 1), (0.0, 0, 4)],
+)
+def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top_k, num_beams):
+    decoding.check_settings(temperature, top_k, num_beams, VOCAB)
+
+
+@pytest.mark.parametrize(
+    "temperature, top_k, num_beams, message",
+    [
+        (-1.0, 0, 1, "TEMPERATURE = -1.0 must be >= 0"),
+        (float("nan"), 0, 1, "TEMPERATURE = nan must be >= 0"),
+        ("hot", 0, 1, "TEMPERATURE = 'hot' must be a number"),
+        (1.0, VOCAB + 1, 1, f"TOP_K = {VOCAB + 1} must be between 0 (no limit) and the vocabu"),
+        (1.0, -1, 1, "TOP_K = -1 must be between 0"),
+        (0.0, 0, 0, "NUM_BEAMS = 0 must be >= 1"),
+        (0.5, 0, 2, "NUM_BEAMS = 2 (beam search) does not sample, so TEMPERATURE = 0.5"),
+        (0.0, 40, 2, "TOP_K = 40 would be ignored; choose one"),
+    ],
+)
+def test_check_settings_refuses(temperature, top_k, num_beams, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        decoding.check_settings(temperature, top_k, num_beams, VOCAB)
+
+
+def test_num_beams_has_the_same_default_in_eval_and_infer_run_files():
+    """Experiments include eval.gin and infer.gin together and gin keeps the last definition,
+    so a default that differed would silently change `t5tpu eval`'s."""
+    defaults = {
+        name: re.findall(r"^NUM_BEAMS = (.*)$", pathlib.Path(RUNS, name).read_text(), re.M)
+        for name in ("eval.gin", "infer.gin")
+    }
+    assert defaults == {"eval.gin": ["1"], "infer.gin": ["1"]}
+
+
+# --- through the command line -----------------------------------------------------------------
+
+
+def test_split_the_task_lacks_is_refused_naming_its_splits(model_dir):
+    before = files_in(model_dir)
+    line = refused(infer(model_dir, "--gin.INFER_SPLIT='test'"))
+    assert line == (
+        "t5tpu: error: nothing to infer: task 'qp_is_duplicate' has no 'test' split; set "
+        "INFER_SPLIT to a split the task has: train, validation"
+    )
+    assert files_in(model_dir) == before
+
+
+TASK_MODULE = """
+import seqio, tensorflow as tf
+from t5tpu import vocab
+
+FEATURES = {"inputs": seqio.Feature(vocab.default_vocabulary()),
+            "targets": seqio.Feature(vocab.default_vocabulary())}
+
+def lines(split, shuffle_files, seed=None):
+    text = tf.data.TextLineDataset(f"{folder}/{split}.txt")
+    return text.map(lambda line: {"inputs": line, "targets": line})
+
+for name, source in [
+    ("lines", seqio.FunctionDataSource(lines, splits=["train", "test"])),
+    ("records", seqio.TFExampleDataSource(
+        {"test": "{folder}/test-*.tfrecord"}, {"inputs": tf.io.FixedLenFeature([], tf.string)})),
+]:
+    seqio.TaskRegistry.remove(name)
+    seqio.TaskRegistry.add(name, source=source, preprocessors=[seqio.preprocessors.tokenize],
+                           output_features=FEATURES)
+"""
+
+
+@pytest.mark.parametrize(
+    "task, split, why",
+    [
+        # stats.json says `prepare-quora` finished, but validation.tfrecord is gone.
+        (
+            "qp_is_duplicate",
+            "validation",
+            "no file {folder}/validation.tfrecord",
+        ),
+        ("lines", "test", "{folder}/test.txt; No such file or directory"),
+        ("records", "test", "no file matches its file pattern"),
+    ],
+)
+def test_declared_split_without_its_files_is_refused(model_dir, tmp_path, task, split, why):
+    """A split the task declares but whose data is missing: one line naming what is missing."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "stats.json").write_text(json.dumps({"pairs": {"train": 3, "validation": 2}}))
+    module = tmp_path / "tasks.py"
+    module.write_text(TASK_MODULE.replace("{folder}", str(folder)))
+    flags = [f"--gin.INFER_SPLIT='{split}'", f"--gin.QUORA_DATA_DIR='{folder}'"]
+    if task != "qp_is_duplicate":
+        flags += [
+            f"--gin.MIXTURE_OR_TASK_MODULE='{module}'",
+            f"--gin.MIXTURE_OR_TASK_NAME='{task}'",
+        ]
+    before = files_in(model_dir)
+    assert refused(infer(model_dir, *flags)) == (
+        f"t5tpu: error: cannot read the '{split}' split of task '{task}' "
+        f"({why.replace('{folder}', str(folder))}); restore its data or set INFER_SPLIT to "
+        "another split"
+    )
+    assert files_in(model_dir) == before
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0"],
+            "TOP_K = 5000 must be between 0 (no limit) and the vocabulary size 1024",
+        ),
+        (["--gin.TEMPERATURE=-1.0"], "TEMPERATURE = -1.0 must be >= 0"),
+        (["--gin.infer.num_beams=0"], "NUM_BEAMS = 0 must be >= 1"),
+        (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "choose one: NUM_BEAMS = 1 to sample"),
+        (["--gin.INFER_NUM_EXAMPLES=0"], "INFER_NUM_EXAMPLES = 0 must be >= 1"),
+    ],
+)
+def test_bad_decoding_settings_are_refused_before_anything_is_written(model_dir, flags, message):
+    before = files_in(model_dir)
+    assert message in refused(infer(model_dir, *flags))
+    assert files_in(model_dir) == before
+
+
+def without_predictions(rows):
+    return [{key: value for key, value in row.items() if key != "prediction"} for row in rows]
+
+
+def test_infer_num_examples_decodes_the_first_examples_of_the_split(model_dir, tmp_path):
+    name = f"qp_is_duplicate_validation-{STEPS}.jsonl"
+    run = infer(model_dir, f"--gin.infer.output_dir='{tmp_path / 'all'}'")
+    assert run.returncode == 0, run.stderr[-3000:]
+    every = read_rows(tmp_path / "all" / name)
+    assert len(every) == VALIDATION_PAIRS
+
+    run = infer(model_dir, "--gin.INFER_NUM_EXAMPLES=7", f"--gin.infer.output_dir='{tmp_path}'")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"wrote 7 predictions to {tmp_path / name}" in run.stdout
+    assert without_predictions(read_rows(tmp_path / name)) == without_predictions(every[:7])
+
+
+def test_num_beams_macro_reaches_infer_and_eval(model_dir, tmp_path):
+    run = infer(model_dir, "--gin.NUM_BEAMS=2", "--gin.INFER_NUM_EXAMPLES=3")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "wrote 3 predictions" in run.stdout
+    config = (model_dir / "infer_config.gin").read_text()
+    assert "infer.num_beams = %NUM_BEAMS" in config and "NUM_BEAMS = 2" in config
+
+    run = t5tpu(
+        "eval",
+        f"--gin_file={EXPERIMENT}",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        "--gin.NUM_BEAMS=2",
+        "--gin.EVAL_NUM_EXAMPLES=8",
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    config = (model_dir / "eval_config.gin").read_text()
+    assert "evaluate.num_beams = %NUM_BEAMS" in config and "NUM_BEAMS = 2" in config
