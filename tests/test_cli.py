@@ -149,6 +149,10 @@ BAD_INPUTS = {
         ["infer", *memorize_flags("--gin.INFER_SPLIT='test'")],
         "task 'memorize_similar_questions' has no 'test' split; set INFER_SPLIT to a split",
     ),
+    "eval with zero beams": (
+        ["eval", *memorize_flags("--gin.NUM_BEAMS=0")],
+        "NUM_BEAMS = 0 must be >= 1",
+    ),
     "top_k above the vocabulary": (
         ["infer", *memorize_flags("--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0")],
         "TOP_K = 5000 must be between 0 (no limit) and the vocabulary size 1024",

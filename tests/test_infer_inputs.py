@@ -107,35 +107,17 @@ def test_num_beams_has_the_same_default_in_eval_and_infer_run_files():
 # --- through the command line -----------------------------------------------------------------
 
 
-def test_split_the_task_lacks_is_refused_naming_its_splits(model_dir):
-    before = files_in(model_dir)
-    line = refused(infer(model_dir, "--gin.INFER_SPLIT='test'"))
-    assert line == (
-        "t5tpu: error: nothing to infer: task 'qp_is_duplicate' has no 'test' split; set "
-        "INFER_SPLIT to a split the task has: train, validation"
-    )
-    assert files_in(model_dir) == before
-
-
 TASK_MODULE = """
 import seqio, tensorflow as tf
 from t5tpu import vocab
 
 FEATURES = {"inputs": seqio.Feature(vocab.default_vocabulary()),
             "targets": seqio.Feature(vocab.default_vocabulary())}
-
-def lines(split, shuffle_files, seed=None):
-    text = tf.data.TextLineDataset(f"{folder}/{split}.txt")
-    return text.map(lambda line: {"inputs": line, "targets": line})
-
-for name, source in [
-    ("lines", seqio.FunctionDataSource(lines, splits=["train", "test"])),
-    ("records", seqio.TFExampleDataSource(
-        {"test": "{folder}/test-*.tfrecord"}, {"inputs": tf.io.FixedLenFeature([], tf.string)})),
-]:
-    seqio.TaskRegistry.remove(name)
-    seqio.TaskRegistry.add(name, source=source, preprocessors=[seqio.preprocessors.tokenize],
-                           output_features=FEATURES)
+source = seqio.TFExampleDataSource(
+    {"test": "{folder}/test-*.tfrecord"}, {"inputs": tf.io.FixedLenFeature([], tf.string)})
+seqio.TaskRegistry.remove("records")
+seqio.TaskRegistry.add("records", source=source, preprocessors=[seqio.preprocessors.tokenize],
+                       output_features=FEATURES)
 """
 
 
@@ -148,7 +130,6 @@ for name, source in [
             "validation",
             "no file {folder}/validation.tfrecord",
         ),
-        ("lines", "test", "{folder}/test.txt; No such file or directory"),
         ("records", "test", "no file matches its file pattern"),
     ],
 )
@@ -177,12 +158,7 @@ def test_declared_split_without_its_files_is_refused(model_dir, tmp_path, task, 
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (
-            ["--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0"],
-            "TOP_K = 5000 must be between 0 (no limit) and the vocabulary size 1024",
-        ),
-        (["--gin.TEMPERATURE=-1.0"], "TEMPERATURE = -1.0 must be >= 0"),
-        (["--gin.infer.num_beams=0"], "NUM_BEAMS = 0 must be >= 1"),
+        # The rest of decoding.check_settings is tested above; TOP_K is in test_cli.py.
         (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "choose one: NUM_BEAMS = 1 to sample"),
         (["--gin.INFER_NUM_EXAMPLES=0"], "INFER_NUM_EXAMPLES = 0 must be >= 1"),
     ],

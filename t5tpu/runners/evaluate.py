@@ -18,7 +18,7 @@ import seqio
 import tensorflow as tf
 from clu import metric_writers
 
-from t5tpu import checkpoints, data, gin_setup, trainer
+from t5tpu import checkpoints, data, decoding, gin_setup, trainer
 from t5tpu.errors import UserError
 from t5tpu.model import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
@@ -161,6 +161,7 @@ def evaluate(
     or 'all' (every checkpoint, oldest first). Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
+    decoding.check_settings(0.0, 0, num_beams, model.config.vocab_size)
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
     input_length, target_length = data.model_lengths(task_feature_lengths)

@@ -7,12 +7,8 @@ name and renamed, so an interrupted run never leaves a half-written result in th
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import sys
-import tempfile
 
 import jax
 import numpy as np
@@ -20,7 +16,7 @@ import seqio
 import tensorflow as tf
 
 from t5tpu import checkpoints, data, decoding, gin_setup, trainer
-from t5tpu.errors import UserError, one_line_message
+from t5tpu.errors import UserError
 from t5tpu.model import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -63,37 +59,16 @@ def _examples_from_task(
         )
     why = _missing_files(task, split)
     if why:
-        raise UserError(_unreadable_split(task_name, split, why))
-    try:
-        with _stderr_held_back():
-            return _read_split(task, split, task_feature_lengths, num_examples)
-    except tf.errors.NotFoundError as e:  # a source of another kind whose file is gone
-        raise UserError(_unreadable_split(task_name, split, _file_error(e))) from None
-
-
-@contextlib.contextmanager
-def _stderr_held_back():
-    """Passes on what is written to stderr (file descriptor 2, where TensorFlow's C++ logs go)
-    inside the block only if the block succeeds: a read that fails logs a warning from tf.data
-    that would come before the one-line error saying the same."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as held:
-        os.dup2(held.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-        held.seek(0)
-        os.write(2, held.read())
+        raise UserError(
+            f"cannot read the {split!r} split of task {task_name!r} ({why}); restore its data "
+            "or set INFER_SPLIT to another split"
+        )
+    return _read_split(task, split, task_feature_lengths, num_examples)
 
 
 def _missing_files(task: seqio.Task, split: str) -> str | None:
-    """Why a file source cannot read the split, or None. Checked before reading: seqio raises a
-    bare ValueError for a pattern that matches nothing, and tf.data's reader threads report a
-    missing file with a C++ warning on stderr besides the error."""
+    """Why a file source cannot read the split, or None. Checked before reading, where seqio
+    raises a bare ValueError for a pattern that matches nothing and tf.data a traceback."""
     if not isinstance(task.source, seqio.FileDataSource):
         return None
     files = task.source.list_shards(split)  # a pattern without wildcards is listed as it is
@@ -101,19 +76,6 @@ def _missing_files(task: seqio.Task, split: str) -> str | None:
         return "no file matches its file pattern"
     missing = [path for path in files if not tf.io.gfile.exists(path)]
     return f"no file {missing[0]}" if missing else None
-
-
-def _file_error(error: tf.errors.NotFoundError) -> str:
-    """The path and reason of a tf.data read error, without the op names TF wraps them in."""
-    text = one_line_message(error)
-    return re.sub(r"\{\{.*?\}\}|\[Op:.*$", "", text).strip()
-
-
-def _unreadable_split(task_name: str, split: str, why: str) -> str:
-    return (
-        f"cannot read the {split!r} split of task {task_name!r} ({why}); restore its data or "
-        "set INFER_SPLIT to another split"
-    )
 
 
 def _read_split(task, split: str, task_feature_lengths, num_examples: int | None) -> list[dict]:
