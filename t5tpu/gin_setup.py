@@ -99,11 +99,24 @@ def _compact(error: Exception) -> list[str]:
     return [line.strip() for line in str(error).splitlines() if line.strip()][:3]
 
 
+def _setting_name(runner_name: str, argument: str) -> str:
+    """What the user set for a runner's argument: the macro the run files bind to it
+    (EVAL_NUM_EXAMPLES for evaluate.num_examples), else the binding itself."""
+    try:
+        bound = gin.query_parameter(f"{runner_name}.{argument}")
+    except ValueError:  # not bound at all
+        return f"{runner_name}.{argument}"
+    text = str(bound)
+    if isinstance(bound, gin.config.ConfigurableReference) and text.startswith("%"):
+        return text[1:]
+    return f"{runner_name}.{argument}"
+
+
 def runner(fn):
     """Makes `fn` a gin root whose %gin.REQUIRED macros fail with one clear line.
 
     gin hands a macro set to %gin.REQUIRED through as a sentinel instead of failing, so each
-    argument is checked here; the run files name every macro after its argument, upper-cased.
+    argument is checked here, and errors name the macro the user set.
     """
 
     whole_numbers = {
@@ -114,7 +127,11 @@ def runner(fn):
 
     @functools.wraps(fn)
     def checked(**kwargs):
-        missing = [name.upper() for name, value in kwargs.items() if value is gin.REQUIRED]
+        missing = [
+            _setting_name(fn.__name__, name)
+            for name, value in kwargs.items()
+            if value is gin.REQUIRED
+        ]
         if missing:
             example = f"--gin.{missing[0]}=..."
             raise UserError(
@@ -123,7 +140,10 @@ def runner(fn):
         for name in whole_numbers & kwargs.keys():
             value = kwargs[name]
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise UserError(f"{name.upper()} = {value!r} must be a whole number, e.g. 1000")
+                raise UserError(
+                    f"{_setting_name(fn.__name__, name)} = {value!r} must be a whole number, "
+                    "e.g. 1000"
+                )
         return fn(**kwargs)
 
     return gin.configurable(checked)

@@ -175,6 +175,10 @@ BAD_INPUTS = {
         ["train", *memorize_flags("--gin.TRAIN_STEPS=1e3")],
         "TRAIN_STEPS = 1000.0 must be a whole number",
     ),
+    "fractional example count": (  # named by its macro, not evaluate's argument num_examples
+        ["eval", *memorize_flags("--gin.EVAL_NUM_EXAMPLES=2.5")],
+        "EVAL_NUM_EXAMPLES = 2.5 must be a whole number",
+    ),
     "unquoted string": (
         ["eval", *memorize_flags("--gin.EVAL_SPLIT=train")],
         "strings need quotes: --gin.EVAL_SPLIT=\"'train'\"",
