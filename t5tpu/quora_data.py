@@ -178,15 +178,18 @@ def _records(
     """(first line, last line, fields) per record, numbering lines after the `lines_before`
     already consumed (the header); fields is an error message if the record is unreadable."""
     mode = csv.QUOTE_NONE if quoting == "none" else csv.QUOTE_MINIMAL
-    reader = csv.reader(lines, delimiter=delimiter, quoting=mode)
+    # strict: a quote that closes mid-field ('"Quoted" words') is an error, where csv would
+    # otherwise drop both quotes and keep the record, silently changing the question.
+    reader = csv.reader(lines, delimiter=delimiter, quoting=mode, strict=quoting == "csv")
     while True:
         first = lines_before + reader.line_num + 1
         try:
             fields = next(reader)
         except StopIteration:
             return
-        except csv.Error as e:  # e.g. a runaway quote past the field size limit
-            fields = f"unreadable record ({e})"
+        except csv.Error as e:  # a quote closed mid-field, or one running past the size limit
+            why = str(e).replace("\t", "\\t")  # "'\t' expected after '"'", with a real tab
+            fields = f"unreadable record ({why}; if quotes are text in this file: --quoting=none)"
         yield first, lines_before + reader.line_num, fields
 
 

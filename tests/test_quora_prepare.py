@@ -180,6 +180,28 @@ def test_glue_style_tsv_needs_quoting_none_for_a_stray_quote(tmp_path):
     assert [(p["id"], p["question1"]) for p in validation] == [(0, '"Unclosed quote?')]
 
 
+def test_a_quote_closed_mid_field_is_rejected_not_dropped(tmp_path):
+    """Under csv rules '"Quoted" words?' would lose both quotes and pass as another question;
+    it is rejected with the hint instead, and read as written with --quoting=none."""
+    source = tmp_path / "qqp.tsv"
+    source.write_text(
+        "id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n"
+        '1\t1\t2\t"Imagine" by whom?\tWho wrote Imagine?\t1\n'
+        "0\t3\t4\tFine?\tAlso fine?\t1\n"
+        "2\t5\t6\tOK?\tYes?\t0\n"
+    )
+    stats = quora_data.prepare(str(source), str(tmp_path / "quoted"))
+    assert sum(stats.pairs.values()) == 2
+    assert [r.describe() for r in stats.rejected] == [
+        "line 2: unreadable record ('\\t' expected after '\"'; if quotes are text in this "
+        "file: --quoting=none)"
+    ]
+
+    quora_data.prepare(str(source), str(tmp_path / "plain"), quoting="none")
+    train = read_split(tmp_path / "plain", "train")
+    assert [(p["id"], p["question1"]) for p in train] == [(1, '"Imagine" by whom?'), (2, "OK?")]
+
+
 def test_unknown_header_and_missing_input_are_user_errors(tmp_path):
     source = tmp_path / "test.tsv"
     source.write_text("id\tquestion1\tquestion2\n0\ta?\tb?\n")
