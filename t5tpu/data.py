@@ -59,6 +59,56 @@ def get_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture
         ) from None
 
 
+def check_readable(name: str, split: str, setting: str | None = None) -> None:
+    """Refuses, in one line, a split whose data is not there: files a task's source lists that
+    do not exist, or a tfds data set neither prepared nor downloadable. Unchecked, seqio fails
+    deep inside tf.data (a file pattern matching nothing is a bare ValueError, a failed tfds
+    download a requests traceback). Tasks of a mixture that lack the split are the caller's
+    concern: eval skips them, infer refuses mixtures. `setting`: the macro that chose `split`."""
+    task = seqio.get_mixture_or_task(name)
+    for each in task.tasks if isinstance(task, seqio.Mixture) else [task]:
+        if split not in each.splits:
+            continue
+        cannot = f"cannot read the {split!r} split of task {each.name!r}"
+        missing = _missing_files(each.source, split)
+        if missing:
+            instead = f" or set {setting} to another split" if setting else ""
+            raise UserError(f"{cannot} ({missing}); restore its data{instead}")
+        why = _tfds_unavailable(each.source)
+        if why:
+            raise UserError(f"{cannot}: {why}")
+
+
+def _missing_files(source: seqio.DataSource, split: str) -> str | None:
+    if not isinstance(source, seqio.FileDataSource):
+        return None
+    files = source.list_shards(split)  # a pattern without wildcards is listed as it is
+    if not files:
+        return "no file matches its file pattern"
+    missing = [path for path in files if not tf.io.gfile.exists(path)]
+    return f"no file {missing[0]}" if missing else None
+
+
+def _tfds_unavailable(source: seqio.DataSource) -> str | None:
+    """None once the tfds data set is prepared, downloading and preparing it on first use."""
+    if not isinstance(source, seqio.TfdsDataSource):
+        return None
+    builder = source.tfds_dataset.builder
+    if builder.is_prepared():
+        return None
+    print(f"preparing tfds {builder.info.full_name} in {builder.data_dir} (first use)", flush=True)
+    try:
+        builder.download_and_prepare()
+    except Exception as e:  # the download's own error says why; no traceback for a user's setup
+        return (
+            f"tfds {builder.info.full_name} is not prepared in {builder.data_dir} and preparing "
+            f"it failed ({type(e).__name__}: {one_line_message(e)[:200]}); prepare it on a "
+            "machine with internet and point the task's tfds data_dir at it, or bind the "
+            "task's own files in gin (README: Tasks and data)"
+        )
+    return None
+
+
 def feature_converter(pack: bool) -> seqio.FeatureConverter:
     return seqio.EncDecFeatureConverter(pack=pack)
 

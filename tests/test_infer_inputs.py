@@ -1,7 +1,7 @@
 """What `t5tpu infer` decodes and the settings it refuses: a split the task lacks or cannot
-read, INFER_NUM_EXAMPLES, NUM_BEAMS, and decoding settings (decoding.check_settings) that would
-crash, decode nonsense or be silently ignored. The model is trained for two steps: these tests
-check what is read and refused, not what the model predicts."""
+read (eval and train too), INFER_NUM_EXAMPLES, NUM_BEAMS, and decoding settings
+(decoding.check_settings) that would crash, decode nonsense or be silently ignored. The model is
+trained for two steps: these tests check what is read and refused, not what the model predicts."""
 
 import json
 import os
@@ -153,6 +153,28 @@ def test_declared_split_without_its_files_is_refused(model_dir, tmp_path, task, 
         "another split"
     )
     assert files_in(model_dir) == before
+
+
+def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
+    """data.check_readable, which infer uses above, guards eval and train too."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    (folder / "stats.json").write_text(json.dumps({"pairs": {"train": 3, "validation": 2}}))
+    data_flags = [f"--gin_file={EXPERIMENT}", f"--gin.QUORA_DATA_DIR='{folder}'"]
+    before = files_in(model_dir)
+    run = t5tpu("eval", *data_flags, f"--gin.MODEL_DIR='{model_dir}'")
+    assert refused(run) == (
+        "t5tpu: error: cannot read the 'validation' split of task 'qp_is_duplicate' (no file "
+        f"{folder}/validation.tfrecord); restore its data or set EVAL_SPLIT to another split"
+    )
+    assert files_in(model_dir) == before
+    new_dir = tmp_path / "new_model"
+    run = t5tpu("train", *data_flags, f"--gin.MODEL_DIR='{new_dir}'")
+    assert refused(run) == (
+        "t5tpu: error: cannot read the 'train' split of task 'qp_is_duplicate' (no file "
+        f"{folder}/train.tfrecord); restore its data"
+    )
+    assert not new_dir.exists()
 
 
 @pytest.mark.parametrize(

@@ -265,6 +265,14 @@ def test_missing_prepared_directory_is_a_user_error(gin_bindings, tmp_path):
         quora.register(vocab.default_vocabulary())
 
 
+@pytest.mark.parametrize("stats", ["{not json", '{"input": "train.csv"}', "[]"])
+def test_a_stats_file_prepare_quora_did_not_write_is_a_user_error(gin_bindings, tmp_path, stats):
+    (tmp_path / "stats.json").write_text(stats)
+    gin_bindings("quora_data_dir.path", str(tmp_path))
+    with pytest.raises(UserError, match=r"stats.json is not the stats.json `t5tpu prepare-quora`"):
+        quora.register(vocab.default_vocabulary())
+
+
 @pytest.fixture(scope="module")
 def qqp_tfds_dir(tmp_path_factory):
     """glue/qqp built by tensorflow-datasets' own builder into a temporary data_dir, from GLUE-

@@ -211,6 +211,42 @@ def test_tfds_source_gives_the_same_examples_as_the_json_source(version, tmp_pat
     assert comparable(tfds_rows) == comparable(json_rows)  # tfds stores them in another order
 
 
+def _refuse_downloads(monkeypatch):
+    def offline(builder, *args, **kwargs):
+        raise ConnectionError(f"Failed to resolve the host of {builder.name}")
+
+    monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", offline)
+
+
+def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path, monkeypatch):
+    """Runners check the data before they start: unchecked, tfds' failed download surfaced as a
+    60-line requests traceback from inside the first batch."""
+    data_dir = str(tmp_path / "tfds")
+    register(f"squad_v1_source.tfds_data_dir = '{data_dir}'")
+    _refuse_downloads(monkeypatch)
+    with pytest.raises(UserError) as error:
+        data.check_readable("squad_v1", "validation", "EVAL_SPLIT")
+    gin.clear_config()
+    assert str(error.value) == (
+        "cannot read the 'validation' split of task 'squad_v1': tfds squad/v1.1/3.0.0 is not "
+        f"prepared in {data_dir}/squad/v1.1/3.0.0 and preparing it failed (ConnectionError: "
+        "Failed to resolve the host of squad); prepare it on a machine with internet and point "
+        "the task's tfds data_dir at it, or bind the task's own files in gin (README: Tasks and "
+        "data)"
+    )
+
+
+def test_prepared_tfds_data_passes_the_check_without_a_download(tmp_path, monkeypatch):
+    small = _small_squad_file(tmp_path, V1_FILE, "small_v1.json")
+    data_dir = str(tmp_path / "tfds")
+    _prepare_tfds_offline("squad/v1.1", small, data_dir, monkeypatch)
+    register(f"squad_v1_source.tfds_data_dir = '{data_dir}'")
+    _refuse_downloads(monkeypatch)
+    data.check_readable("squad_v1", "validation", "EVAL_SPLIT")  # raises if it downloads
+    data.check_readable("squad_v1", "train")
+    gin.clear_config()
+
+
 def test_missing_or_malformed_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="SQuAD file not found: /no/such.json"):
         register("squad_v1_source.train_file = '/no/such.json'")

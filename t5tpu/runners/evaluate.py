@@ -163,6 +163,7 @@ def evaluate(
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     decoding.check_settings(0.0, 0, num_beams, model.config.vocab_size)
     data.get_task(mixture_or_task_name, mixture_or_task_module)
+    data.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
     steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
     input_length, target_length = data.model_lengths(task_feature_lengths)
     params_shape, shardings = trainer.abstract_params(

@@ -57,25 +57,8 @@ def _examples_from_task(
             f"nothing to infer: task {task_name!r} has no {split!r} split; set INFER_SPLIT to a "
             f"split the task has: {', '.join(task.splits)}"
         )
-    why = _missing_files(task, split)
-    if why:
-        raise UserError(
-            f"cannot read the {split!r} split of task {task_name!r} ({why}); restore its data "
-            "or set INFER_SPLIT to another split"
-        )
+    data.check_readable(task_name, split, "INFER_SPLIT")
     return _read_split(task, split, task_feature_lengths, num_examples)
-
-
-def _missing_files(task: seqio.Task, split: str) -> str | None:
-    """Why a file source cannot read the split, or None. Checked before reading, where seqio
-    raises a bare ValueError for a pattern that matches nothing and tf.data a traceback."""
-    if not isinstance(task.source, seqio.FileDataSource):
-        return None
-    files = task.source.list_shards(split)  # a pattern without wildcards is listed as it is
-    if not files:
-        return "no file matches its file pattern"
-    missing = [path for path in files if not tf.io.gfile.exists(path)]
-    return f"no file {missing[0]}" if missing else None
 
 
 def _read_split(task, split: str, task_feature_lengths, num_examples: int | None) -> list[dict]:

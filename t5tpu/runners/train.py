@@ -151,6 +151,9 @@ def train(
         if period < 1:
             raise UserError(f"{name}={period} must be at least 1 (steps between them)")
     data.get_task(mixture_or_task_name, mixture_or_task_module)
+    data.check_readable(mixture_or_task_name, "train")
+    if eval_period:
+        data.check_readable(mixture_or_task_name, eval_split, "EVAL_SPLIT")
     lengths = data.model_lengths(task_feature_lengths)
     # Steps count on from a pretrained checkpoint's step; the input stream starts at its first
     # batch there, and a resume skips only the batches used since.

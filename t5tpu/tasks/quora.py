@@ -102,13 +102,19 @@ def _prepared_source(data_dir: str) -> seqio.DataSource:
             f"`t5tpu prepare-quora --input=train.csv --output_dir={data_dir}` or fix QUORA_DATA_DIR"
         )
     with tf.io.gfile.GFile(stats_path) as file:
-        stats = json.load(file)
+        try:
+            num_pairs = json.load(file)["pairs"]
+        except (ValueError, KeyError, TypeError):
+            raise UserError(
+                f"{stats_path} is not the stats.json `t5tpu prepare-quora` writes; run it again "
+                f"with --output_dir={data_dir} --overwrite, or fix QUORA_DATA_DIR"
+            ) from None
     return seqio.TFExampleDataSource(
         split_to_filepattern={
             split: os.path.join(data_dir, name) for split, name in quora_data.OUTPUT_FILES.items()
         },
         feature_description=quora_data.tfrecord_feature_description(),
-        num_input_examples=stats["pairs"],
+        num_input_examples=num_pairs,
     )
 
 
