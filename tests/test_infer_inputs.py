@@ -14,6 +14,7 @@ import pytest
 
 from t5tpu import decoding
 from t5tpu.errors import UserError
+from t5tpu.runners.infer import _file_name
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
@@ -196,22 +197,43 @@ def without_predictions(rows):
 
 
 def test_infer_num_examples_decodes_the_first_examples_of_the_split(model_dir, tmp_path):
-    name = f"qp_is_duplicate_validation-{STEPS}.jsonl"
-    run = infer(model_dir, f"--gin.infer.output_dir='{tmp_path / 'all'}'")
+    """...into a file of its own: a partial run never replaces the full predictions."""
+    name = f"qp_is_duplicate_validation-{STEPS}"
+    run = infer(model_dir, f"--gin.infer.output_dir='{tmp_path}'")
     assert run.returncode == 0, run.stderr[-3000:]
-    every = read_rows(tmp_path / "all" / name)
+    every = read_rows(tmp_path / f"{name}.jsonl")
     assert len(every) == VALIDATION_PAIRS
 
     run = infer(model_dir, "--gin.INFER_NUM_EXAMPLES=7", f"--gin.infer.output_dir='{tmp_path}'")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"wrote 7 predictions to {tmp_path / name}" in run.stdout
-    assert without_predictions(read_rows(tmp_path / name)) == without_predictions(every[:7])
+    assert f"wrote 7 predictions to {tmp_path / name}-first7.jsonl" in run.stdout
+    first = read_rows(tmp_path / f"{name}-first7.jsonl")
+    assert without_predictions(first) == without_predictions(every[:7])
+    assert read_rows(tmp_path / f"{name}.jsonl") == every
+
+
+@pytest.mark.parametrize(
+    "num_examples, settings, name",
+    [
+        (None, (0.0, 0, 1, 0.6, 0), "src-5.jsonl"),
+        (None, (0.0, 40, 1, 0.6, 0), "src-5.jsonl"),  # greedy: TOP_K changes nothing
+        (10, (0.0, 0, 1, 0.6, 0), "src-5-first10.jsonl"),
+        (None, (0.0, 0, 4, 0.6, 0), "src-5-beam4-alpha0.6.jsonl"),
+        (None, (0.7, 0, 1, 0.6, 3), "src-5-temp0.7-seed3.jsonl"),
+        (2, (1.0, 40, 1, 0.6, 0), "src-5-first2-temp1-top40-seed0.jsonl"),
+    ],
+)
+def test_prediction_files_are_named_by_the_settings_that_change_them(num_examples, settings, name):
+    assert _file_name("src", 5, num_examples, settings) == name
 
 
 def test_num_beams_macro_reaches_infer_and_eval(model_dir, tmp_path):
     run = infer(model_dir, "--gin.NUM_BEAMS=2", "--gin.INFER_NUM_EXAMPLES=3")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "wrote 3 predictions" in run.stdout
+    path = (
+        model_dir / "inference" / f"qp_is_duplicate_validation-{STEPS}-first3-beam2-alpha0.6.jsonl"
+    )
+    assert f"wrote 3 predictions to {path}" in run.stdout
     config = (model_dir / "infer_config.gin").read_text()
     assert "infer.num_beams = %NUM_BEAMS" in config and "NUM_BEAMS = 2" in config
 

@@ -87,6 +87,28 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
+def _file_name(
+    source: str,
+    step: int,
+    num_examples: int | None,
+    decoding_settings: tuple[float, int, int, float, int],
+) -> str:
+    """<source>-<step>[-first<N>][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl.
+
+    Every setting that changes the predictions is in the name, so decoding the same inputs
+    another way never replaces earlier predictions, while the same command (deterministic, seed
+    included) rewrites its own file. Greedy decoding of every input keeps the plain name."""
+    temperature, top_k, num_beams, beam_alpha, seed = decoding_settings
+    name = f"{source}-{step}"
+    if num_examples is not None:
+        name += f"-first{num_examples}"
+    if num_beams > 1:
+        name += f"-beam{num_beams}-alpha{beam_alpha:g}"
+    elif temperature > 0:
+        name += f"-temp{temperature:g}" + (f"-top{top_k}" if top_k else "") + f"-seed{seed}"
+    return f"{name}.jsonl"
+
+
 @gin_setup.runner
 def infer(
     *,
@@ -176,8 +198,10 @@ def infer(
                 if "target" in ex:
                     row["target"] = ex["target"]
                 rows.append(row)
+        settings = (temperature, top_k, num_beams, beam_alpha, random_seed)
         path = os.path.join(
-            output_dir or os.path.join(model_dir, "inference"), f"{source}-{step}.jsonl"
+            output_dir or os.path.join(model_dir, "inference"),
+            _file_name(source, step, num_examples, settings),
         )
         _write_jsonl(path, rows)
         written.append(path)
