@@ -140,7 +140,9 @@ def train_batches(
     The order is fixed by `seed`. A resumed run continues where the stream stood when its
     checkpoint was saved: from `saved_position` (InputStream.save) if that was written for this
     pipeline, else by reading and dropping the `skip_batches` batches already used; either way
-    it sees exactly the examples an uninterrupted run would. `layout`
+    it sees exactly the examples an uninterrupted run would. Resumed with other settings (a
+    position of another pipeline), it skips as many batches of the new shape, with a warning:
+    where a run that always had those settings would stand. `layout`
     (Partitioner.data_layout(batch_size)) says which shard this host reads; without it every
     host reads its own shard, which is right unless the 'model' axis spans hosts.
     """
@@ -182,6 +184,13 @@ def train_batches(
                 f"({one_line_message(e)[:200]}); skipping {skip_batches} batches instead",
                 file=sys.stderr,
             )
+    elif saved_position and tf.io.gfile.glob(f"{saved_position}.*.index"):
+        print(
+            f"t5tpu: warning: {saved_position} was saved by another input pipeline (batch size, "
+            f"task, lengths, seed, packing or hosts changed); skipping {skip_batches} batches of "
+            "the new shape, as if the run had always used it",
+            file=sys.stderr,
+        )
     skipped = stream()
     skipped.skip(skip_batches)
     return skipped

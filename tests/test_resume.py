@@ -144,6 +144,8 @@ def test_resume_with_another_batch_size_skips_instead_of_restoring(tmp_path):
     train(model_dir, "--gin.TRAIN_STEPS=4")
     run = train(model_dir, "--gin.TRAIN_STEPS=6", "--gin.BATCH_SIZE=4")
     assert "training steps 4..6" in run.stdout and "input from batch 4" in run.stdout
+    assert "was saved by another input pipeline (batch size, task" in run.stderr
+    assert "skipping 4 batches of the new shape" in run.stderr
 
 
 def test_damaged_newest_checkpoint_is_skipped_with_a_warning(uninterrupted, tmp_path):
