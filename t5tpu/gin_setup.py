@@ -149,13 +149,20 @@ def runner(fn):
     return gin.configurable(checked)
 
 
-def write_operative_config(model_dir: str, name: str) -> str:
+def write_operative_config(model_dir: str, name: str, keep_previous_as: str | None = None) -> str:
     """Writes the config that the run actually used (every bound value that was read); on a
-    multi-host run only process 0 writes it."""
+    multi-host run only process 0 writes it. With `keep_previous_as`, a different config
+    already there is renamed to that name instead of being replaced."""
     path = os.path.join(model_dir, name)
     if jax.process_index() != 0:
         return path
     tf.io.gfile.makedirs(model_dir)
+    config = gin.operative_config_str()
+    if keep_previous_as and tf.io.gfile.exists(path):
+        with tf.io.gfile.GFile(path) as f:
+            if f.read() != config:
+                previous = os.path.join(model_dir, keep_previous_as)
+                tf.io.gfile.rename(path, previous, overwrite=True)
     with tf.io.gfile.GFile(path, "w") as f:
-        f.write(gin.operative_config_str())
+        f.write(config)
     return path

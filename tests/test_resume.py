@@ -2,6 +2,7 @@
 with the same command ends with the same parameters and optimizer state, bit for bit, as a run
 that was never interrupted. Also: damaged checkpoints are skipped, a NaN loss stops cleanly."""
 
+import glob
 import os
 import random
 import shutil
@@ -109,6 +110,7 @@ def test_sigterm_saves_current_step_and_exits_0_then_resumes_exactly(uninterrupt
     resumed = train(model_dir)
     assert f"resuming from {model_dir}/checkpoint_{step}" in resumed.stdout
     assert "input position" not in resumed.stderr  # restored, not skipped
+    assert not glob.glob(f"{model_dir}/config_to_step_*")  # the same config: nothing to keep
     assert_bitwise_equal(load(model_dir), uninterrupted)
 
 
@@ -146,6 +148,10 @@ def test_resume_with_another_batch_size_skips_instead_of_restoring(tmp_path):
     assert "training steps 4..6" in run.stdout and "input from batch 4" in run.stdout
     assert "was saved by another input pipeline (batch size, task" in run.stderr
     assert "skipping 4 batches of the new shape" in run.stderr
+    # config.gin is the resumed run's; the one that trained steps 1-4 is kept beside it.
+    config = (tmp_path / "config.gin").read_text()
+    earlier = (tmp_path / "config_to_step_4.gin").read_text()
+    assert "BATCH_SIZE = 4" in config and "BATCH_SIZE = 8" in earlier
 
 
 def test_damaged_newest_checkpoint_is_skipped_with_a_warning(uninterrupted, tmp_path):

@@ -215,8 +215,9 @@ def train(
         os.path.join(model_dir, "train"), just_logging=jax.process_index() > 0
     )
     # Only now that the pipeline and evaluator are built: bad input or a finished run must not
-    # replace the config of the run already in MODEL_DIR.
-    gin_setup.write_operative_config(model_dir, "config.gin")
+    # replace the config of the run already in MODEL_DIR. A resume with other settings keeps
+    # the record of those that trained the steps before it.
+    gin_setup.write_operative_config(model_dir, "config.gin", f"config_to_step_{first_step}.gin")
     dropout_seed = jax.random.PRNGKey(random_seed + 1)
     progress = Progress(first_step, last_step, layout.num_shards)
     preemption = PreemptionWatch()
