@@ -152,17 +152,22 @@ def runner(fn):
 def write_operative_config(model_dir: str, name: str, keep_previous_as: str | None = None) -> str:
     """Writes the config that the run actually used (every bound value that was read); on a
     multi-host run only process 0 writes it. With `keep_previous_as`, a different config
-    already there is renamed to that name instead of being replaced."""
+    already there is renamed to that name instead of being replaced, unless that name is taken
+    (train's config_to_step_N: an earlier resume at step N that saved nothing past it)."""
     path = os.path.join(model_dir, name)
     if jax.process_index() != 0:
         return path
     tf.io.gfile.makedirs(model_dir)
     config = gin.operative_config_str()
-    if keep_previous_as and tf.io.gfile.exists(path):
-        with tf.io.gfile.GFile(path) as f:
-            if f.read() != config:
-                previous = os.path.join(model_dir, keep_previous_as)
-                tf.io.gfile.rename(path, previous, overwrite=True)
+    if keep_previous_as:
+        _keep_if_different(path, os.path.join(model_dir, keep_previous_as), config)
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(config)
     return path
+
+
+def _keep_if_different(path: str, previous: str, config: str) -> None:
+    if tf.io.gfile.exists(path) and not tf.io.gfile.exists(previous):
+        with tf.io.gfile.GFile(path) as f:
+            if f.read() != config:
+                tf.io.gfile.rename(path, previous)
