@@ -49,13 +49,17 @@ def get_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture
     tasks.register_builtin_tasks()
     if module:
         import_task_module(module)
+    known = ", ".join(sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names())))
+    # None when an experiment leaves it unset: infer.gin's default (inference needs no task
+    # when given texts), included after finetune.gin and eval.gin, replaces their REQUIRED.
+    if not name:
+        raise UserError(f"MIXTURE_OR_TASK_NAME is not set; set it to one of: {known}")
     try:
         return seqio.get_mixture_or_task(name)
     except ValueError:
-        known = sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names()))
         raise UserError(
-            f"unknown task or mixture {name!r}; known: {', '.join(known)}. Set "
-            "MIXTURE_OR_TASK_NAME, and MIXTURE_OR_TASK_MODULE to the module that registers it"
+            f"unknown task or mixture {name!r}; known: {known}. Set MIXTURE_OR_TASK_NAME, and "
+            "MIXTURE_OR_TASK_MODULE to the module that registers it"
         ) from None
 
 

@@ -152,8 +152,8 @@ def runner(fn):
 def write_operative_config(model_dir: str, name: str, keep_previous_as: str | None = None) -> str:
     """Writes the config that the run actually used (every bound value that was read); on a
     multi-host run only process 0 writes it. With `keep_previous_as`, a different config
-    already there is renamed to that name instead of being replaced, unless that name is taken
-    (train's config_to_step_N: an earlier resume at step N that saved nothing past it)."""
+    already there is renamed to that name instead of being replaced (unless that name is taken:
+    nothing is overwritten)."""
     path = os.path.join(model_dir, name)
     if jax.process_index() != 0:
         return path

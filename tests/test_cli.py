@@ -141,6 +141,10 @@ BAD_INPUTS = {
     "unknown binding": (["eval", f"--gin_file={EXPERIMENT}", "--gin.evaluate.bogus=1"], "bogus"),
     "missing MODEL_DIR": (["eval", f"--gin_file={EXPERIMENT}"], "MODEL_DIR"),
     "unknown task": (["eval", *memorize_flags("--gin.MIXTURE_OR_TASK_NAME='nope'")], "'nope'"),
+    "task left unset": (
+        ["eval", *memorize_flags("--gin.MIXTURE_OR_TASK_NAME=None")],
+        "MIXTURE_OR_TASK_NAME is not set; set it to one of: ",
+    ),
     "missing infer input": (
         ["infer", *memorize_flags("--gin.INFER_INPUT_FILE='/no/such/file.txt'")],
         "/no/such/file.txt",

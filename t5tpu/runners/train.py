@@ -215,9 +215,12 @@ def train(
         os.path.join(model_dir, "train"), just_logging=jax.process_index() > 0
     )
     # Only now that the pipeline and evaluator are built: bad input or a finished run must not
-    # replace the config of the run already in MODEL_DIR. A resume with other settings keeps
-    # the record of those that trained the steps before it.
-    gin_setup.write_operative_config(model_dir, "config.gin", f"config_to_step_{first_step}.gin")
+    # replace the config of the run already in MODEL_DIR. A resume writes its config with its
+    # first checkpoint, when steps trained with it are kept (a NaN or a crash before it keeps
+    # nothing), keeping one with other settings as config_to_step_N.gin.
+    config_pending = bool(resume_point)
+    if not config_pending:
+        gin_setup.write_operative_config(model_dir, "config.gin")
     dropout_seed = jax.random.PRNGKey(random_seed + 1)
     progress = Progress(first_step, last_step, layout.num_shards)
     preemption = PreemptionWatch()
@@ -243,6 +246,10 @@ def train(
                     mngr, step, state.params, state.opt_state, checkpoint_dtype, initial_step
                 )
                 batches.save(checkpoints.input_position_path(mngr, step))
+                if config_pending:
+                    keep = f"config_to_step_{first_step}.gin"
+                    gin_setup.write_operative_config(model_dir, "config.gin", keep)
+                    config_pending = False
             if preempted:
                 print(f"SIGTERM: saved checkpoint_{step}; rerun the same command to continue")
                 return state
