@@ -1,4 +1,5 @@
-"""seqio glue: task lookup, per-host training streams, fixed-shape batches, global arrays.
+"""seqio glue: task lookup, a check that a split's data is there, per-host training streams,
+fixed-shape batches, global arrays.
 
 On several hosts each one reads only its shard of the training data (seqio's ShardInfo) and
 holds only its rows of each global batch; `to_global` puts those rows on this host's devices.
