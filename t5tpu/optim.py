@@ -7,12 +7,40 @@ is elementwise (and its clipping global), and Adafactor's per-parameter blocks a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import gin
 import jax
 import jax.numpy as jnp
 import optax
 
 from t5tpu.layer_stacking import LAYERS
+
+
+class Optimizer(NamedTuple):
+    """An optax transformation (`init`, `update`) with the learning-rate schedule it applies,
+    so that training can log the rate of every step."""
+
+    init: optax.TransformInitFn
+    update: optax.TransformUpdateFn
+    schedule: optax.Schedule
+
+    def learning_rate(self, opt_state) -> jax.Array:
+        """The rate the next update of `opt_state` applies: the schedule at the update count
+        that optax's stateful transformations keep (they all count alike, from the fresh
+        state, so fine-tuning from a pretrained step starts its schedule at 0)."""
+        counts = [
+            leaf
+            for path, leaf in jax.tree_util.tree_leaves_with_path(opt_state)
+            if getattr(path[-1], "name", None) == "count"
+        ]
+        return jnp.asarray(self.schedule(counts[0] if counts else 0), jnp.float32)
+
+
+def _with_schedule(transformation, learning_rate) -> Optimizer:
+    if not callable(learning_rate):
+        learning_rate = optax.constant_schedule(learning_rate)
+    return Optimizer(transformation.init, transformation.update, learning_rate)
 
 
 @gin.configurable
@@ -97,7 +125,7 @@ def adafactor(
     factored: bool = True,
     momentum: float | None = None,
     weight_decay_rate: float | None = None,
-) -> optax.GradientTransformation:
+) -> Optimizer:
     """T5's Adafactor: factored second moments, decay 0.8, update clipping 1.0, updates scaled by
     the parameter's RMS.
 
@@ -116,7 +144,7 @@ def adafactor(
     if weight_decay_rate is not None:
         chain.append(optax.add_decayed_weights(weight_decay_rate))
     chain.append(optax.scale(-1))
-    return optax.chain(*chain)
+    return _with_schedule(optax.chain(*chain), learning_rate)
 
 
 @gin.configurable
@@ -127,8 +155,8 @@ def adamw(
     eps: float = 1e-8,
     weight_decay: float = 0.0,
     max_grad_norm: float | None = None,
-) -> optax.GradientTransformation:
+) -> Optimizer:
     opt = optax.adamw(learning_rate, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay)
     if max_grad_norm:
         opt = optax.chain(optax.clip_by_global_norm(max_grad_norm), opt)
-    return opt
+    return _with_schedule(opt, learning_rate)

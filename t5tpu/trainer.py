@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5tpu import optim
 from t5tpu.model import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -102,6 +103,8 @@ def train_step(
         "nonpadding_tokens": sums["num_tokens"],
         "grad_norm": optax.tree.norm(grads),
     }
+    if isinstance(optimizer, optim.Optimizer):
+        metrics["learning_rate"] = optimizer.learning_rate(state.opt_state)
     return TrainState(state.step + 1, params, opt_state), metrics
 
 

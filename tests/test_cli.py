@@ -59,6 +59,7 @@ def test_training_reports_progress_and_writes_run_files(trained_dir):
     model_dir, stdout = trained_dir
     progress = [line for line in stdout.splitlines() if line.startswith(f"step {STEPS}/{STEPS}")]
     assert progress and "examples/s" in progress[0] and "ETA" in progress[0]
+    assert "lr 0.01 " in progress[0]  # LEARNING_RATE, constant
     final_loss = float(progress[0].split("loss ")[1].split()[0])
     assert final_loss < 0.05  # z-loss keeps it just above 0
     assert sorted(d for d in os.listdir(model_dir) if d.startswith("checkpoint_")) == [

@@ -37,9 +37,9 @@ from t5tpu.runners.evaluate import TaskEvaluator
 
 
 class Progress:
-    """Console progress: step, loss, examples/s and ETA. Examples are counted as they are read
-    (packed rows hold several); a host reads one of `num_shards` shards of each global batch, so
-    its count is scaled by that number."""
+    """Console progress: step, loss, learning rate, examples/s and ETA. Examples are counted as
+    they are read (packed rows hold several); a host reads one of `num_shards` shards of each
+    global batch, so its count is scaled by that number."""
 
     def __init__(self, first_step: int, last_step: int, num_shards: int = 1):
         self.last_step = last_step
@@ -58,9 +58,10 @@ class Progress:
         examples_per_s = self._examples / seconds
         self._mark, self._examples = (step, now), 0
         eta = (self.last_step - step) / max(steps_per_s, 1e-9)
+        rate = f"lr {metrics['learning_rate']:.3g}  " if "learning_rate" in metrics else ""
         print(
             f"step {step}/{self.last_step}  loss {metrics['loss']:.4f}  "
-            f"token_acc {metrics['token_accuracy']:.3f}  "
+            f"token_acc {metrics['token_accuracy']:.3f}  {rate}"
             f"{examples_per_s:.1f} examples/s  "
             f"ETA {datetime.timedelta(seconds=round(eta))}",
             flush=True,
