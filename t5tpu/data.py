@@ -13,7 +13,9 @@ import hashlib
 import importlib
 import importlib.util
 import os
+import socket
 import sys
+import urllib.parse
 from collections.abc import Iterator, Mapping
 
 import jax
@@ -23,6 +25,8 @@ import tensorflow as tf
 
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout, host_data_rows
+
+TFDS_GCS_HOST = "storage.googleapis.com"  # tfds' mirror of prepared data sets
 
 
 def import_task_module(module: str) -> None:
@@ -101,17 +105,42 @@ def _tfds_unavailable(source: seqio.DataSource) -> str | None:
     builder = source.tfds_dataset.builder
     if builder.is_prepared():
         return None
+    hosts = _unresolvable_download_hosts(builder)
+    if hosts:
+        return _cannot_prepare(builder, f"no network: cannot resolve {', '.join(hosts)}")
     print(f"preparing tfds {builder.info.full_name} in {builder.data_dir} (first use)", flush=True)
     try:
         builder.download_and_prepare()
     except Exception as e:  # the download's own error says why; no traceback for a user's setup
-        return (
-            f"tfds {builder.info.full_name} is not prepared in {builder.data_dir} and preparing "
-            f"it failed ({type(e).__name__}: {one_line_message(e)[:200]}); prepare it on a "
-            "machine with internet and point the task's tfds data_dir at it, or bind the "
-            "task's own files in gin (README: Tasks and data)"
-        )
+        return _cannot_prepare(builder, f"{type(e).__name__}: {one_line_message(e)[:200]}")
     return None
+
+
+def _unresolvable_download_hosts(builder) -> list[str]:
+    """The hosts a tfds download would use (its URLs, and the GCS mirror tfds tries first) when
+    none of them resolves, else []: offline, tfds retries each URL for minutes before failing.
+    Behind a proxy the names need not resolve here, so nothing is probed."""
+    if any(os.environ.get(name) for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY")):
+        return []
+    urls = list(builder.url_infos or {})
+    if not urls:
+        return []
+    hosts = sorted({urllib.parse.urlparse(url).hostname for url in urls} | {TFDS_GCS_HOST})
+    for host in hosts:
+        try:
+            socket.getaddrinfo(host, 443)
+            return []
+        except OSError:
+            continue
+    return hosts
+
+
+def _cannot_prepare(builder, cause: str) -> str:
+    return (
+        f"tfds {builder.info.full_name} is not prepared in {builder.data_dir} and preparing "
+        f"it failed ({cause}); prepare it on a machine with internet and point the task's "
+        "tfds data_dir at it, or bind the task's own files in gin (README: Tasks and data)"
+    )
 
 
 def feature_converter(pack: bool) -> seqio.FeatureConverter:

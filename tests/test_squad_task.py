@@ -6,6 +6,7 @@ import importlib.resources
 import importlib.util
 import json
 import os
+import socket
 import sys
 from unittest import mock
 
@@ -218,12 +219,28 @@ def _refuse_downloads(monkeypatch):
     monkeypatch.setattr(tfds.core.DatasetBuilder, "download_and_prepare", offline)
 
 
+def _set_dns(monkeypatch, resolves: bool, proxy: str | None = None):
+    """This machine's DNS as the test needs it (here no download host resolves)."""
+
+    def getaddrinfo(host, *args, **kwargs):
+        if not resolves:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("192.0.2.1", 443))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+    for name in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(name, raising=False)
+    if proxy:
+        monkeypatch.setenv("HTTPS_PROXY", proxy)
+
+
 def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path, monkeypatch):
     """Runners check the data before they start: unchecked, tfds' failed download surfaced as a
     60-line requests traceback from inside the first batch."""
     data_dir = str(tmp_path / "tfds")
     register(f"squad_v1_source.tfds_data_dir = '{data_dir}'")
     _refuse_downloads(monkeypatch)
+    _set_dns(monkeypatch, resolves=True)
     with pytest.raises(UserError) as error:
         data.check_readable("squad_v1", "validation", "EVAL_SPLIT")
     gin.clear_config()
@@ -234,6 +251,27 @@ def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path,
         "the task's tfds data_dir at it, or bind the task's own files in gin (README: Tasks and "
         "data)"
     )
+
+
+def test_offline_the_check_fails_at_once_instead_of_retrying_the_download(tmp_path, monkeypatch):
+    """tfds retries each URL for ~3.5 minutes before it gives up; a machine that resolves none
+    of the download hosts is told at once, and never starts the download."""
+    register(f"squad_v1_source.tfds_data_dir = '{tmp_path / 'tfds'}'")
+    _set_dns(monkeypatch, resolves=False)
+    monkeypatch.setattr(
+        tfds.core.DatasetBuilder, "download_and_prepare", lambda *_: pytest.fail("downloaded")
+    )
+    with pytest.raises(UserError) as error:
+        data.check_readable("squad_v1", "train")
+    assert "failed (no network: cannot resolve rajpurkar.github.io, storage.googleapis.com)" in (
+        str(error.value)
+    )
+    # Behind a proxy, names need not resolve locally: the download is tried.
+    _refuse_downloads(monkeypatch)
+    _set_dns(monkeypatch, resolves=False, proxy="http://proxy.example:3128")
+    with pytest.raises(UserError, match="ConnectionError: Failed to resolve the host of squad"):
+        data.check_readable("squad_v1", "train")
+    gin.clear_config()
 
 
 def test_prepared_tfds_data_passes_the_check_without_a_download(tmp_path, monkeypatch):
