@@ -16,11 +16,15 @@ importers and exporters see one layout.
 from __future__ import annotations
 
 import sys
+import time
+from collections.abc import Iterator
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from t5tpu import layer_stacking
 from t5tpu.errors import UserError
@@ -138,6 +142,46 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
         else:
             steps.append(step)
     return steps
+
+
+def _first_step_after(model_dir: str, after: int | None) -> int | None:
+    if not epath.Path(model_dir).is_dir():
+        return None
+    steps = usable_steps(manager(model_dir, read_only=True), items=("params",))
+    return next((step for step in steps if after is None or step > after), None)
+
+
+def follow_steps(
+    model_dir: str,
+    after: int | None,
+    last_step: int | None,
+    poll_seconds: float,
+    wait_seconds: float,
+) -> Iterator[int]:
+    """Each checkpoint step in `model_dir` after `after`, oldest first, as training writes them
+    (MODEL_DIR need not exist yet). Ends after `last_step`, or when none has appeared for
+    `wait_seconds` since the last one was handed out (or since the start). Process 0 looks and
+    tells the others, so every host evaluates the same steps."""
+    waiting_since = time.time()
+    while True:
+        step = -1  # none yet
+        if jax.process_index() == 0:
+            found = _first_step_after(model_dir, after)
+            if found is not None:
+                step = found
+            elif time.time() - waiting_since >= wait_seconds:
+                step = -2  # stop
+        step = int(multihost_utils.broadcast_one_to_all(np.int32(step)))
+        if step == -2:
+            print(f"no new checkpoint in {model_dir} for {wait_seconds:g} s; stopping", flush=True)
+            return
+        if step == -1:
+            time.sleep(poll_seconds)
+            continue
+        yield step
+        after, waiting_since = step, time.time()
+        if last_step is not None and step >= last_step:
+            return
 
 
 def resume_point(model_dir: str) -> tuple[int, int | None] | None:
@@ -275,5 +319,6 @@ def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:
         return [checkpoint_step]
     raise UserError(
         f"CHECKPOINT_STEP={checkpoint_step!r} not found in {model_dir} (have "
-        f"{', '.join(map(str, available))}); use 'latest', 'all' or one of those steps"
+        f"{', '.join(map(str, available))}); use 'latest', 'all' or one of those steps (eval: "
+        "also 'continuous')"
     )

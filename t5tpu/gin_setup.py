@@ -112,6 +112,19 @@ def _setting_name(runner_name: str, argument: str) -> str:
     return f"{runner_name}.{argument}"
 
 
+def bound_value(parameter: str):
+    """The value `parameter` ('train.batch_size') is bound to in the parsed gin files (macros and
+    @configurables evaluated; gin.REQUIRED as it is), or None when it is not bound. Lets one
+    runner read another's settings from the same experiment file."""
+    try:
+        value = gin.query_parameter(parameter)
+    except ValueError:
+        return None
+    if isinstance(value, gin.config.ConfigurableReference):
+        value = value.scoped_configurable_fn() if value.evaluate else value.scoped_configurable_fn
+    return value
+
+
 def runner(fn):
     """Makes `fn` a gin root whose %gin.REQUIRED macros fail with one clear line.
 

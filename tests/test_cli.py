@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -111,6 +112,55 @@ def test_eval_all_checkpoints_and_infer_from_text_file(trained_dir, tmp_path):
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert [r["input"] for r in rows] == ["generate similar question: how do i learn python?"]
     assert rows[0]["prediction"] and "target" not in rows[0]
+
+
+def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_path):
+    """CHECKPOINT_STEP='continuous' evaluates each checkpoint training writes, and stops after
+    the one at TRAIN_STEPS; started again, it goes on after the newest evaluated step."""
+    model_dir, _ = trained_dir
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    shutil.copytree(f"{model_dir}/checkpoint_{STEPS // 2}", run_dir / f"checkpoint_{STEPS // 2}")
+    flags = memorize_flags(
+        "--gin.CHECKPOINT_STEP='continuous'", "--gin.evaluate.poll_seconds=0.5"
+    ) + [f"--gin.TRAIN_STEPS={STEPS}", f"--gin.MODEL_DIR='{run_dir}'"]
+    with open(tmp_path / "stderr", "w") as stderr:
+        follower = subprocess.Popen(
+            [sys.executable, "-m", "t5tpu.main", "eval", *flags],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+        )
+        seen = []
+        for line in follower.stdout:  # the first checkpoint is evaluated; then the next appears
+            seen.append(line)
+            if line.startswith(f"step {STEPS // 2}: "):
+                break
+        shutil.copytree(f"{model_dir}/checkpoint_{STEPS}", tmp_path / "writing")
+        os.rename(tmp_path / "writing", run_dir / f"checkpoint_{STEPS}")
+        seen.extend(follower.stdout)
+        assert follower.wait(timeout=600) == 0, (tmp_path / "stderr").read_text()[-3000:]
+    metrics = json.loads((run_dir / "eval_train_metrics.json").read_text())
+    assert sorted(metrics, key=int) == [str(STEPS // 2), str(STEPS)], "".join(seen)
+    assert metrics[str(STEPS)]["memorize_similar_questions"]["exact_match"] == 100.0
+
+    run = t5tpu("eval", *flags, "--gin.evaluate.wait_seconds=0")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"evaluating each checkpoint after step {STEPS} as it appears" in run.stdout
+    assert "no new checkpoint" in run.stdout
+    assert json.loads((run_dir / "eval_train_metrics.json").read_text()) == metrics
+
+
+def test_continuous_eval_skips_a_checkpoint_deleted_before_it_was_read(tmp_path):
+    from t5tpu.runners import evaluate
+
+    # Listed, then removed by KEEP_CHECKPOINTS: gone, or half deleted.
+    (tmp_path / "checkpoint_5").mkdir()
+    for step in (4, 5):
+        assert evaluate._restored(str(tmp_path), step, {}, {}, continuous=True) is None
+    with pytest.raises(KeyError, match="params"):  # other modes check every step beforehand
+        evaluate._restored(str(tmp_path), 5, {}, {}, continuous=False)
 
 
 def test_rerun_of_finished_training_changes_nothing(trained_dir):

@@ -141,6 +141,45 @@ def _write_atomically(path: str, text: str) -> None:
     tf.io.gfile.rename(tmp, path, overwrite=True)
 
 
+CONTINUOUS = "continuous"
+
+
+def _newest_evaluated(model_dir: str, split: str) -> int | None:
+    """The newest step in this split's metrics file: continuous eval goes on after it."""
+    path = os.path.join(model_dir, f"{run_name(split)}_metrics.json")
+    if not tf.io.gfile.exists(path):
+        return None
+    with tf.io.gfile.GFile(path) as f:
+        steps = [int(step) for step in json.load(f)]
+    return max(steps, default=None)
+
+
+def _last_train_step() -> int | None:
+    """TRAIN_STEPS when the experiment trains too (its finetune.gin) and counts it absolutely:
+    continuous eval stops after that checkpoint."""
+    steps = gin_setup.bound_value("train.train_steps")
+    if not isinstance(steps, int) or gin_setup.bound_value("train.relative_steps"):
+        return None
+    return steps
+
+
+def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bool):
+    """The parameters of checkpoint `step`, or None when continuous eval finds it deleted
+    (KEEP_CHECKPOINTS) before it could read it."""
+    mngr = checkpoints.manager(model_dir, read_only=True)
+    try:
+        if continuous:  # the other modes check every step before anything is written
+            checkpoints.check_geometry(mngr, step, params_shape)
+        return checkpoints.restore_params(mngr, step, params_shape, shardings)
+    except Exception:
+        if continuous and step not in checkpoints.usable_steps(
+            checkpoints.manager(model_dir, read_only=True), items=("params",)
+        ):
+            print(f"checkpoint_{step} was deleted before it was read; skipped", flush=True)
+            return None
+        raise
+
+
 @gin_setup.runner
 def evaluate(
     *,
@@ -156,22 +195,35 @@ def evaluate(
     partitioner: Partitioner | None = None,
     num_beams: int = 1,
     beam_alpha: float = 0.6,
+    poll_seconds: float = 30.0,
+    wait_seconds: float = 3600.0,
 ) -> dict:
     """Evaluates the checkpoint(s) in MODEL_DIR chosen by CHECKPOINT_STEP: 'latest', a step,
-    or 'all' (every checkpoint, oldest first). Returns {step: metrics}."""
+    'all' (every checkpoint, oldest first), or 'continuous': every checkpoint after the newest
+    step in the metrics file, then each new one as training writes it (looking every
+    `poll_seconds`), until the one at TRAIN_STEPS or `wait_seconds` without a new one.
+    Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     decoding.check_settings(0.0, 0, num_beams, model.config.vocab_size)
     data.get_task(mixture_or_task_name, mixture_or_task_module)
     data.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
-    steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
     input_length, target_length = data.model_lengths(task_feature_lengths)
     params_shape, shardings = trainer.abstract_params(
         model, partitioner, input_length, target_length
     )
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    for step in steps:
-        checkpoints.check_geometry(mngr, step, params_shape)
+    continuous = checkpoint_step == CONTINUOUS
+    if continuous:
+        after = _newest_evaluated(model_dir, split)
+        steps = checkpoints.follow_steps(
+            model_dir, after, _last_train_step(), poll_seconds, wait_seconds
+        )
+        print(f"evaluating each checkpoint after step {after or 0} as it appears", flush=True)
+    else:
+        steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
+        mngr = checkpoints.manager(model_dir, read_only=True)
+        for step in steps:
+            checkpoints.check_geometry(mngr, step, params_shape)
     evaluator = TaskEvaluator(
         model,
         mixture_or_task_name,
@@ -188,7 +240,9 @@ def evaluate(
     gin_setup.write_operative_config(model_dir, "eval_config.gin")
     results = {}
     for step in steps:
-        params = checkpoints.restore_params(mngr, step, params_shape, shardings)
+        params = _restored(model_dir, step, params_shape, shardings, continuous)
+        if params is None:
+            continue
         results[step] = evaluator(params, step)
         print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
     return results

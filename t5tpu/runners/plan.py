@@ -28,14 +28,8 @@ from t5tpu.partitioning import GiB, Partitioner
 
 
 def _train_binding(name: str):
-    """The value `train.<name>` is bound to in the parsed gin files (macros and @configurables
-    evaluated), or None when it is not bound."""
-    try:
-        value = gin.query_parameter(f"train.{name}")
-    except ValueError:
-        return None
-    if isinstance(value, gin.config.ConfigurableReference):
-        value = value.scoped_configurable_fn() if value.evaluate else value.scoped_configurable_fn
+    """`train.<name>` as the parsed gin files bind it, or None."""
+    value = gin_setup.bound_value(f"train.{name}")
     if value is gin.REQUIRED:
         raise UserError(
             f"{name.upper()} must be set for `t5tpu plan`; pass --gin.{name.upper()}=..."
