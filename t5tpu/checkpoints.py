@@ -145,7 +145,10 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
 
 
 def _first_step_after(model_dir: str, after: int | None) -> int | None:
-    if not epath.Path(model_dir).is_dir():
+    # All processes open a manager or none does: orbax syncs the hosts in its constructor, and
+    # a directory just being created may show on one host before another.
+    exists = epath.Path(model_dir).is_dir()
+    if not bool(multihost_utils.broadcast_one_to_all(np.bool_(exists))):
         return None
     steps = usable_steps(manager(model_dir, read_only=True), items=("params",))
     return next((step for step in steps if after is None or step > after), None)
@@ -160,17 +163,16 @@ def follow_steps(
 ) -> Iterator[int]:
     """Each checkpoint step in `model_dir` after `after`, oldest first, as training writes them
     (MODEL_DIR need not exist yet). Ends after `last_step`, or when none has appeared for
-    `wait_seconds` since the last one was handed out (or since the start). Process 0 looks and
-    tells the others, so every host evaluates the same steps."""
+    `wait_seconds` since the last one was handed out (or since the start). Every host gets
+    process 0's answer, so all evaluate the same steps."""
     waiting_since = time.time()
     while True:
+        found = _first_step_after(model_dir, after)
         step = -1  # none yet
-        if jax.process_index() == 0:
-            found = _first_step_after(model_dir, after)
-            if found is not None:
-                step = found
-            elif time.time() - waiting_since >= wait_seconds:
-                step = -2  # stop
+        if found is not None:
+            step = found
+        elif time.time() - waiting_since >= wait_seconds:
+            step = -2  # stop
         step = int(multihost_utils.broadcast_one_to_all(np.int32(step)))
         if step == -2:
             print(f"no new checkpoint in {model_dir} for {wait_seconds:g} s; stopping", flush=True)

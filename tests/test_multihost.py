@@ -111,6 +111,11 @@ def test_two_processes_train_to_the_parameters_of_one(runs):
     assert runs[2][0]["losses"] == pytest.approx(runs[1][0]["losses"], rel=1e-5)
 
 
+def test_every_process_follows_the_same_new_checkpoints(runs):
+    # Per process: how many steps after none and after step 2, then the steps themselves.
+    assert runs[2][0]["followed_by_process"] == [[1, 0, 2], [1, 0, 2]]
+
+
 def test_both_processes_write_one_checkpoint_that_one_process_restores(runs):
     # orbax: each process writes its own part of the checkpoint.
     assert {"ocdbt.process_0", "ocdbt.process_1"} <= set(runs["checkpoint_files"])
@@ -237,6 +242,8 @@ def _worker(out_dir: str, processes: int, process_id: int, port: int, restore_fr
     import jax
     from jax.experimental import multihost_utils
 
+    from t5tpu import checkpoints
+
     if processes > 1:
         jax.distributed.initialize(f"localhost:{port}", processes, process_id)
     assert jax.device_count() == 8
@@ -245,6 +252,10 @@ def _worker(out_dir: str, processes: int, process_id: int, port: int, restore_fr
     losses, params, norm, change = _train(batch, out_dir, restore_from)
     every = multihost_utils.process_allgather(np.asarray([process_id]), tiled=True)
     summary = {"losses": losses, "initial_param_norm": norm, "param_change": change}
+    # Continuous eval: process 0 lists the checkpoints and every process gets the same steps.
+    followed = [list(checkpoints.follow_steps(out_dir, a, None, 0.05, 0)) for a in (None, 2)]
+    seen = multihost_utils.process_allgather(np.asarray([len(f) for f in followed] + followed[0]))
+    summary["followed_by_process"] = np.asarray(seen).reshape(processes, -1).tolist()
     if processes > 1:  # collect every host's view of the layouts on process 0
         text = json.dumps(layouts)
         mine = np.frombuffer(text.encode().ljust(8192), np.uint8)
