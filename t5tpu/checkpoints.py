@@ -130,6 +130,11 @@ def _incomplete_reason(step_dir: epath.Path, items) -> str | None:
     return None
 
 
+def params_readable(model_dir: str, step: int) -> bool:
+    """Whether checkpoint `step` still has its parameters; no manager, so no host sync."""
+    return _incomplete_reason(epath.Path(model_dir) / f"{STEP_PREFIX}_{step}", ("params",)) is None
+
+
 def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
     """Steps whose checkpoint has every file restore needs, oldest first; others are skipped
     with a warning (they are never loaded, and never deleted: they may be worth a look)."""

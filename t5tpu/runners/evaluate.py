@@ -17,6 +17,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 from clu import metric_writers
+from jax.experimental import multihost_utils
 
 from t5tpu import checkpoints, data, decoding, gin_setup, trainer
 from t5tpu.errors import UserError
@@ -172,12 +173,14 @@ def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bo
             checkpoints.check_geometry(mngr, step, params_shape)
         return checkpoints.restore_params(mngr, step, params_shape, shardings)
     except Exception:
-        if continuous and step not in checkpoints.usable_steps(
-            checkpoints.manager(model_dir, read_only=True), items=("params",)
-        ):
-            print(f"checkpoint_{step} was deleted before it was read; skipped", flush=True)
+        if continuous and not checkpoints.params_readable(model_dir, step):
             return None
         raise
+
+
+def _skipped_on_any_host(skipped: bool) -> bool:
+    # Hosts that disagree would run different programs and hang; restore has no host sync.
+    return bool(np.any(multihost_utils.process_allgather(np.asarray(skipped))))
 
 
 @gin_setup.runner
@@ -241,7 +244,8 @@ def evaluate(
     results = {}
     for step in steps:
         params = _restored(model_dir, step, params_shape, shardings, continuous)
-        if params is None:
+        if continuous and _skipped_on_any_host(params is None):
+            print(f"checkpoint_{step} was deleted before it was read; skipped", flush=True)
             continue
         results[step] = evaluator(params, step)
         print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
