@@ -22,6 +22,7 @@ import jax
 import numpy as np
 import seqio
 import tensorflow as tf
+from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout, host_data_rows
@@ -99,11 +100,23 @@ def _missing_files(source: seqio.DataSource, split: str) -> str | None:
 
 
 def _tfds_unavailable(source: seqio.DataSource) -> str | None:
-    """None once the tfds data set is prepared, downloading and preparing it on first use."""
+    """None once the tfds data set is prepared, downloading and preparing it on first use.
+    Hosts take turns: process 0 first, so hosts sharing a data_dir (gs://) prepare it once
+    instead of racing to write it; with local data_dirs each host then prepares its own."""
     if not isinstance(source, seqio.TfdsDataSource):
         return None
     builder = source.tfds_dataset.builder
+    first = jax.process_index() == 0
+    why = _prepared_or_why_not(builder) if first else None
+    if jax.process_count() > 1:
+        multihost_utils.sync_global_devices(f"t5tpu: tfds {builder.info.full_name} prepared")
+    return why if first else _prepared_or_why_not(builder)
+
+
+def _prepared_or_why_not(builder) -> str | None:
     if builder.is_prepared():
+        if not builder.info.splits:  # another host prepared it after this builder was made
+            builder.info.read_from_directory(builder.data_dir)
         return None
     hosts = _unresolvable_download_hosts(builder)
     if hosts:

@@ -7,6 +7,7 @@ import importlib.util
 import json
 import os
 import socket
+import subprocess
 import sys
 from unittest import mock
 
@@ -285,6 +286,63 @@ def test_prepared_tfds_data_passes_the_check_without_a_download(tmp_path, monkey
     gin.clear_config()
 
 
+@pytest.mark.parametrize("shared", [True, False], ids=["shared data_dir", "data_dir per host"])
+def test_hosts_prepare_a_tfds_data_set_one_after_another(shared, tmp_path):
+    """On a pod slice every host runs the check: process 0 prepares first, so hosts sharing a
+    gs:// data_dir do not race to write it; hosts with their own data_dir each prepare theirs."""
+    small = _small_squad_file(tmp_path, V1_FILE, "small_v1.json")
+    log = tmp_path / "prepared_by"
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        port = s.getsockname()[1]
+    workers = [
+        subprocess.Popen(
+            [sys.executable, __file__, small, str(tmp_path / ("tfds" if shared else f"tfds{pid}"))]
+            + [str(log), str(pid), str(port)],
+            cwd=ROOT,
+            env=dict(os.environ, HTTPS_PROXY="http://proxy.example:3128"),  # no DNS probe
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in (0, 1)
+    ]
+    rows = []
+    for worker in workers:
+        out, err = worker.communicate(timeout=300)
+        assert worker.returncode == 0, err[-3000:]
+        rows.append(json.loads(out.splitlines()[-1])["rows"])
+    assert log.read_text().split() == (["0"] if shared else ["0", "1"])
+    assert rows[0] == rows[1] > 10
+
+
+def _prepare_on_one_of_two_hosts(small, data_dir, log, process_id, port):
+    import jax
+    from jax.experimental import multihost_utils
+
+    jax.distributed.initialize(f"localhost:{port}", 2, process_id)
+    task = register(f"squad_v1_source.tfds_data_dir = '{data_dir}'")["squad_v1"]
+    assert not task.source.tfds_dataset.builder.is_prepared()  # made before it is prepared
+    multihost_utils.sync_global_devices("both builders made")
+    sys.modules.setdefault("importlib_resources", importlib.resources)  # _prepare_tfds_offline
+    prepare = tfds.core.DatasetBuilder.download_and_prepare
+
+    def logged(builder, *args, **kwargs):
+        with open(log, "a") as f:
+            f.write(f"{process_id}\n")
+        return prepare(builder, *args, **kwargs)
+
+    files = {"train": small, "dev": small}
+    with (
+        mock.patch.object(tfds.core.DatasetBuilder, "download_and_prepare", logged),
+        mock.patch.object(
+            tfds.download.DownloadManager, "download_and_extract", return_value=files
+        ),
+    ):
+        data.check_readable("squad_v1", "validation")
+    print(json.dumps({"rows": len(examples(task, lengths={"inputs": 256, "targets": 32}))}))
+
+
 def test_missing_or_malformed_files_are_user_errors(tmp_path):
     with pytest.raises(UserError, match="SQuAD file not found: /no/such.json"):
         register("squad_v1_source.train_file = '/no/such.json'")
@@ -302,3 +360,7 @@ def test_a_split_without_a_file_says_which_macro_to_set():
     gin.clear_config()
     with pytest.raises(UserError, match="squad_v1 has no train file: set SQUAD_V1_TRAIN_FILE"):
         task.get_dataset(LENGTHS, split="train")
+
+
+if __name__ == "__main__":
+    _prepare_on_one_of_two_hosts(*sys.argv[1:4], int(sys.argv[4]), int(sys.argv[5]))
