@@ -145,6 +145,55 @@ def _tiny_model():
     return EncoderDecoderModel(config, vocab.default_vocabulary(vocab.bundled_vocabulary_file()))
 
 
+def _cli_on_two_processes(command: str, model_dir: str, *flags: str) -> list[str]:
+    """stdout of `t5tpu COMMAND` run as two processes of 2 fake devices, as off Cloud TPU."""
+    port = _free_port()
+    running = [
+        subprocess.Popen(
+            [sys.executable, "-m", "t5tpu.main", command, f"--coordinator_address=localhost:{port}"]
+            + ["--num_processes=2", f"--process_id={pid}", f"--gin.MODEL_DIR='{model_dir}'"]
+            + ["--gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin", *flags],
+            cwd=ROOT,
+            env=_env(2),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for pid in range(2)
+    ]
+    outputs = []
+    for proc in running:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        outputs.append(stdout)
+    return outputs
+
+
+def test_cli_on_two_processes_trains_evaluates_and_infers(tmp_path):
+    model_dir = str(tmp_path)
+    train = _cli_on_two_processes(
+        "train", model_dir, "--gin.TRAIN_STEPS=10", "--gin.SAVE_PERIOD=10", "--gin.EVAL_PERIOD=10"
+    )
+    last_step = [
+        next(ln for ln in out.splitlines() if ln.startswith("step 10/10")) for out in train
+    ]
+    assert last_step[0].split()[:3] == last_step[1].split()[:3]  # the same global loss
+    assert "eval at step 10" in train[0] and "process 0 has the metrics" in train[1]
+    with open(os.path.join(model_dir, "eval_metrics.json")) as f:
+        # Process 0's metrics count every validation row once.
+        assert json.load(f)["10"]["qp_is_duplicate"]["num_examples"] == 105
+
+    infer = _cli_on_two_processes(
+        "infer", model_dir, "--gin.INFER_INPUT_FILE='examples/questions.txt'"
+    )
+    assert "decoded 3 predictions; process 0 writes them" in infer[1]
+    with open(os.path.join(ROOT, "examples", "questions.txt")) as f:
+        questions = [line.strip() for line in f if line.strip()]
+    with open(os.path.join(model_dir, "inference", "questions-10.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    assert [row["input"] for row in rows] == questions
+
+
 def _global_batch() -> dict:
     """The same global batch in every process and every run (random tokens, padded rows)."""
     rng = np.random.default_rng(0)

@@ -103,14 +103,16 @@ class TaskEvaluator:
             predict_fn=lambda ds: self._run(ds, self._predict, params),
             score_fn=lambda ds: self._run(ds, self._score, params),
         )
-        metrics = future.result() if future is not None else {}
+        took = f"eval at step {step} ({time.time() - start:.1f}s)"
+        if jax.process_index() != 0:  # seqio computes the metrics on process 0 only
+            print(f"{took}: done; process 0 has the metrics", flush=True)
+            return {}
+        metrics = future.result()
         self._record(step, metrics)
-        print(f"eval at step {step} ({time.time() - start:.1f}s): {metrics}", flush=True)
+        print(f"{took}: {metrics}", flush=True)
         return metrics
 
     def _record(self, step: int, metrics: dict) -> None:
-        if jax.process_index() != 0:
-            return
         scalars = {
             f"{task}/{name}": value
             for task, values in metrics.items()
@@ -248,5 +250,6 @@ def evaluate(
             print(f"checkpoint_{step} was deleted before it was read; skipped", flush=True)
             continue
         results[step] = evaluator(params, step)
-        print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
+        if jax.process_index() == 0:
+            print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
     return results

@@ -77,8 +77,6 @@ def _read_split(task, split: str, task_feature_lengths, num_examples: int | None
 
 
 def _write_jsonl(path: str, rows: list[dict]) -> None:
-    if jax.process_index() != 0:  # every process decoded the same rows; one file is written
-        return
     tf.io.gfile.makedirs(os.path.dirname(path))
     tmp = f"{path}.tmp"
     with tf.io.gfile.GFile(tmp, "w") as f:
@@ -203,8 +201,11 @@ def infer(
             output_dir or os.path.join(model_dir, "inference"),
             _file_name(source, step, num_examples, settings),
         )
-        _write_jsonl(path, rows)
         written.append(path)
+        if jax.process_index() != 0:  # every process decoded the same rows; one writes them
+            print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
+            continue
+        _write_jsonl(path, rows)
         for row in rows[:3]:
             print(json.dumps(row, ensure_ascii=False))
         print(f"step {step}: wrote {len(rows)} predictions to {path}", flush=True)
