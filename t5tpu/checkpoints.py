@@ -172,12 +172,9 @@ def follow_steps(
     process 0's answer, so all evaluate the same steps."""
     waiting_since = time.time()
     while True:
-        found = _first_step_after(model_dir, after)
-        step = -1  # none yet
-        if found is not None:
-            step = found
-        elif time.time() - waiting_since >= wait_seconds:
-            step = -2  # stop
+        step = _first_step_after(model_dir, after)
+        if step is None:  # -1: none yet, -2: stop
+            step = -2 if time.time() - waiting_since >= wait_seconds else -1
         step = int(multihost_utils.broadcast_one_to_all(np.int32(step)))
         if step == -2:
             print(f"no new checkpoint in {model_dir} for {wait_seconds:g} s; stopping", flush=True)

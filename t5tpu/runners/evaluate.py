@@ -31,6 +31,18 @@ def run_name(split: str) -> str:
     return "eval" if split == "validation" else f"eval_{split}"
 
 
+def _metrics_file(model_dir: str, run: str) -> str:
+    return os.path.join(model_dir, f"{run}_metrics.json")
+
+
+def _recorded_metrics(path: str) -> dict:
+    """{step: {task: metrics}} as written so far; {} before the first evaluation."""
+    if not tf.io.gfile.exists(path):
+        return {}
+    with tf.io.gfile.GFile(path) as f:
+        return json.load(f)
+
+
 class TaskEvaluator:
     """Runs a task's (or mixture's) seqio metrics for given parameters and records them."""
 
@@ -121,11 +133,8 @@ class TaskEvaluator:
         }
         self.writer.write_scalars(step, scalars)
         self.writer.flush()
-        path = os.path.join(self.model_dir, f"{self.name}_metrics.json")
-        recorded = {}
-        if tf.io.gfile.exists(path):
-            with tf.io.gfile.GFile(path) as f:
-                recorded = json.load(f)
+        path = _metrics_file(self.model_dir, self.name)
+        recorded = _recorded_metrics(path)
         datasets = self.evaluator.cached_task_datasets
         recorded.setdefault(str(step), {}).update(
             {
@@ -149,12 +158,8 @@ CONTINUOUS = "continuous"
 
 def _newest_evaluated(model_dir: str, split: str) -> int | None:
     """The newest step in this split's metrics file: continuous eval goes on after it."""
-    path = os.path.join(model_dir, f"{run_name(split)}_metrics.json")
-    if not tf.io.gfile.exists(path):
-        return None
-    with tf.io.gfile.GFile(path) as f:
-        steps = [int(step) for step in json.load(f)]
-    return max(steps, default=None)
+    recorded = _recorded_metrics(_metrics_file(model_dir, run_name(split)))
+    return max(map(int, recorded), default=None)
 
 
 def _last_train_step() -> int | None:
