@@ -216,6 +216,13 @@ BAD_INPUTS = {
         ["eval", *memorize_flags("--gin.T5Config.emb_dim=64")],
         "another geometry",
     ),
+    "negative poll period": (
+        [
+            "eval",
+            *memorize_flags("--gin.CHECKPOINT_STEP='continuous'", "--gin.evaluate.poll_seconds=-1"),
+        ],
+        "evaluate.poll_seconds = -1 must be above 0",
+    ),
     "missing checkpoint step": (["eval", *memorize_flags("--gin.CHECKPOINT_STEP=7")], "7"),
     "misspelled macro": (
         ["train", *memorize_flags("--gin.TRAIN_STEP=5")],

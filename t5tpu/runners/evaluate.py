@@ -171,6 +171,13 @@ def _last_train_step() -> int | None:
     return steps
 
 
+def _check_waits(poll_seconds: float, wait_seconds: float) -> None:
+    if not poll_seconds > 0:
+        raise UserError(f"evaluate.poll_seconds = {poll_seconds!r} must be above 0")
+    if not wait_seconds >= 0:
+        raise UserError(f"evaluate.wait_seconds = {wait_seconds!r} must be 0 or more")
+
+
 def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bool):
     """The parameters of checkpoint `step`, or None when continuous eval finds it deleted
     (KEEP_CHECKPOINTS) before it could read it."""
@@ -224,6 +231,7 @@ def evaluate(
     )
     continuous = checkpoint_step == CONTINUOUS
     if continuous:
+        _check_waits(poll_seconds, wait_seconds)
         after = _newest_evaluated(model_dir, split)
         steps = checkpoints.follow_steps(
             model_dir, after, _last_train_step(), poll_seconds, wait_seconds
