@@ -41,6 +41,9 @@ class CompiledMemory:
     outputs: int
     aliased: int  # outputs written over donated arguments (the new state)
     out_of_memory: str = ""  # TPU's compiler's message when it could not fit the step
+    # What that message says the step needed and the HBM it had (0 when it says neither).
+    needed: int = 0
+    available: int = 0
 
     @property
     def peak(self) -> int:
@@ -147,7 +150,8 @@ def train_step_memory(
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
-        return CompiledMemory(device_kind, 0, 0, 0, 0, out_of_memory=_oom_summary(str(e)))
+        summary = _oom_summary(str(e))
+        return CompiledMemory(device_kind, 0, 0, 0, 0, summary, *_oom_bytes(summary))
     return CompiledMemory(
         device_kind=device_kind,
         arguments=memory.argument_size_in_bytes,
@@ -161,3 +165,20 @@ def _oom_summary(message: str) -> str:
     """The sentence of TPU's out-of-memory error that says how much was needed."""
     found = re.search(r"(Ran out of memory[^\n\\]*?)(?:\\n|\n|$)", message)
     return (found.group(1) if found else message.splitlines()[0]).strip()
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE = r"([\d.]+)([KMGT]?)i?B?"
+
+
+def _oom_bytes(summary: str) -> tuple[int, int]:
+    """(needed, available) bytes from TPU's out-of-memory sentence, in either of its forms:
+    '... required for HLO temporaries (906.53M) exceeds available HBM (900.00M)' or
+    'Used 17.55G of 15.48G hbm'; (0, 0) when it has neither."""
+    found = re.search(rf"\({_SIZE}\) exceeds available HBM \({_SIZE}\)", summary) or re.search(
+        rf"Used {_SIZE} of {_SIZE} hbm", summary
+    )
+    if not found:
+        return 0, 0
+    need, need_unit, have, have_unit = found.groups()
+    return int(float(need) * _UNITS[need_unit]), int(float(have) * _UNITS[have_unit])

@@ -385,6 +385,7 @@ class Knob:
 
     setting: str
     plan: MemoryPlan
+    fits: bool  # its estimated peak is within the budget it was judged against
 
 
 def _candidate_changes(plan: MemoryPlan, rules) -> list[tuple[str, dict]]:
@@ -424,9 +425,13 @@ def _candidate_changes(plan: MemoryPlan, rules) -> list[tuple[str, dict]]:
     return changes
 
 
-def knobs(plan: MemoryPlan, optimizer, partitioner: partitioning.Partitioner) -> list[Knob]:
+def knobs(
+    plan: MemoryPlan, optimizer, partitioner: partitioning.Partitioner, budget: int | None = None
+) -> list[Knob]:
     """The changes that lower the peak on the same slice, lowest peak first: per kind of
-    change the smallest one that fits, else the one that saves the most."""
+    change the smallest one that fits (an estimated peak within `budget`, by default the
+    chip's HBM), else the one that saves the most."""
+    budget = plan.hbm if budget is None else budget
     devices = plan.mesh["data"] * plan.mesh["model"]
     best: dict[str, Knob] = {}
     for setting, change in _candidate_changes(plan, partitioner.rules):
@@ -446,8 +451,8 @@ def knobs(plan: MemoryPlan, optimizer, partitioner: partitioning.Partitioner) ->
             continue  # saves (almost) nothing: the peak is elsewhere
         kind = setting.split("=")[0]
         known = best.get(kind)
-        if known is None or (not known.plan.fits and new.peak < known.plan.peak):
-            best[kind] = Knob(setting, new)
+        if known is None or (not known.fits and new.peak < known.plan.peak):
+            best[kind] = Knob(setting, new, budget is not None and new.peak <= budget)
     return sorted(best.values(), key=lambda k: k.plan.peak)
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import subprocess
@@ -115,7 +116,7 @@ def test_plan_says_what_to_turn_when_activations_do_not_fit():
     assert "T5Config.remat_policy = 'full'" in settings
     assert any(s.startswith("NUM_MICROBATCHES = ") for s in settings)
     assert all(k.plan.peak < plan.peak for k in knobs)
-    assert knobs[0].plan.fits
+    assert knobs[0].fits and knobs[0].plan.fits
     # remat and microbatches shrink only the activations; parameters stay.
     remat = knobs[settings.index("T5Config.remat_policy = 'full'")].plan
     # With two layers per stack, remat keeps one recomputed layer (both score tensors live)
@@ -169,12 +170,21 @@ def test_the_compiled_peak_decides_the_verdict():
     state = plan.params + plan.opt_state
     compiled = CompiledMemory("TPU v3", state, int(1.5 * plan.peak) - state, state, state)
     assert plan.fits and compiled.peak == int(1.5 * plan.peak)
-    options = memory_plan.knobs(plan, optim.adafactor(), partitioning.Partitioner(1))
+    # The knobs are estimates: judged against the HBM scaled by estimate / compiled (0.8 of
+    # the estimate here), not against the HBM the estimate already fits.
+    budget = plan_runner.knob_budget(plan, compiled)
+    assert budget == pytest.approx(0.8 * plan.peak, rel=1e-6)
+    options = memory_plan.knobs(plan, optim.adafactor(), partitioning.Partitioner(1), budget)
+    assert any(not k.fits for k in options) and any(k.fits for k in options)
+    assert all(k.fits == (k.plan.peak <= budget) for k in options)
     text = plan_runner.report(plan, options, compiled)
     assert "the estimate is 0.67 of it" in text
     assert f"DOES NOT FIT: peak {compiled.peak / partitioning.GiB:.2f} GiB" in text
     assert "(XLA's, compiled)" in text
-    assert "to make it fit (estimated peaks, lowest first; compile to check):" in text
+    assert (
+        "to make it fit (estimated peaks, lowest first; the compiler needed 1.50x the "
+        f"estimate, so each must stay under {budget / 2**20:.2f} MiB; compile to check):"
+    ) in text
 
 
 def test_cpu_and_tpu_compilers_differ_in_the_update_and_in_remat():
@@ -275,7 +285,25 @@ def test_a_step_tpu_cannot_place_does_not_fit():
         run.stdout,
     )
     assert "DOES NOT FIT: TPU's compiler could not place the step in the chip's HBM" in run.stdout
-    assert "to make it fit (estimated peaks, lowest first; compile to check):" in run.stdout
+    # Knobs are judged against the 4 MiB the compiler had, scaled by how far it needed more
+    # than the estimate, and the slice to ask for comes from the compiler's figures.
+    needed = float(re.search(r"\(([\d.]+)M\) exceeds", run.stdout).group(1))
+    estimate = _mib("peak \\(estimate\\)", run.stdout)
+    ratio, budget = map(
+        float,
+        re.search(
+            r"the compiler needed ([\d.]+)x the estimate, so each must stay under ([\d.]+) "
+            r"MiB; compile to check\):",
+            run.stdout,
+        ).groups(),
+    )
+    assert ratio == pytest.approx(needed / estimate, abs=0.01)
+    assert budget == pytest.approx(4 * estimate / needed, abs=0.01)
+    knob_peaks = re.findall(r"^  .*: peak ([\d.]+) MiB \((fits|still too big)\)$", run.stdout, re.M)
+    assert knob_peaks and all((float(p) <= budget) == (v == "fits") for p, v in knob_peaks)
+    assert (
+        f"use a slice with at least {math.ceil(needed / 4 * 10) / 10:.1f}x the memory" in run.stdout
+    )
 
 
 def test_plan_compile_without_libtpu_says_what_to_install():

@@ -99,10 +99,7 @@ def report(
         f"  {_verdict(plan, compiled)}",
     ]
     if _fits(plan, compiled) is False:
-        order = (
-            "estimated peaks, lowest first; compile to check" if compiled else "lowest peak first"
-        )
-        lines += ["", f"to make it fit ({order}):"]
+        lines += ["", f"to make it fit ({_knobs_judged(plan, compiled)}):"]
         lines += [f"  {line}" for line in knob_lines(plan, options, compiled)]
     lines += ["", "parameter shardings (layers_* stands for every layer):"]
     lines += [
@@ -181,20 +178,58 @@ def _verdict(plan: memory_plan.MemoryPlan, compiled=None) -> str:
     return f"{verdict}: peak {peak:.2f} GiB of {hbm:g} GiB HBM per device{source}"
 
 
+def _need_and_hbm(plan: memory_plan.MemoryPlan, compiled) -> tuple[int, int | None]:
+    """The step's peak and the HBM it has: the compiler's when the step was compiled (TPU's
+    out-of-memory message names both), else the estimate and the topology's HBM."""
+    if compiled and compiled.out_of_memory:
+        if compiled.needed:
+            return compiled.needed, compiled.available
+        return plan.peak, plan.hbm
+    return _peak(plan, compiled), plan.hbm
+
+
+def knob_budget(plan: memory_plan.MemoryPlan, compiled=None) -> int | None:
+    """The estimated peak a knob must reach to fit. Knobs are estimates; when the compiled step
+    needed more than the estimate, the HBM is scaled down by the same ratio, so that a knob
+    fits when the compiler would place it (if its figure moves with the estimate)."""
+    need, hbm = _need_and_hbm(plan, compiled)
+    return None if hbm is None else int(hbm * plan.peak / need)
+
+
+def _knobs_judged(plan: memory_plan.MemoryPlan, compiled) -> str:
+    if not compiled:
+        return "lowest peak first"
+    need, _ = _need_and_hbm(plan, compiled)
+    if need == plan.peak:
+        return "estimated peaks, lowest first; compile to check"
+    name, unit = _unit(plan)
+    return (
+        f"estimated peaks, lowest first; the compiler needed {need / plan.peak:.2f}x the "
+        f"estimate, so each must stay under {knob_budget(plan, compiled) / unit:.2f} {name}; "
+        "compile to check"
+    )
+
+
 def knob_lines(
     plan: memory_plan.MemoryPlan, found: list[memory_plan.Knob], compiled=None
 ) -> list[str]:
+    name, unit = _unit(plan)
     lines = [
-        f"{k.setting}: peak {k.plan.peak / GiB:.2f} GiB "
-        f"({'fits' if k.plan.fits else 'still too big'})"
+        f"{k.setting}: peak {k.plan.peak / unit:.2f} {name} "
+        f"({'fits' if k.fits else 'still too big'})"
         for k in found
     ]
-    if not any(k.plan.fits for k in found):
-        need = _peak(plan, compiled) / plan.hbm if plan.hbm else 0
+    if not any(k.fits for k in found):
+        need, hbm = _need_and_hbm(plan, compiled)
+        # Rounded up: a step 0.7% too big needs 1.1x, not "1.0x".
+        more = (
+            f"at least {math.ceil(10 * need / hbm) / 10:.1f}x the memory" if hbm else "more memory"
+        )
         lines.append(
             f"nothing on this slice is enough: the largest part is the {_largest_part(plan)}; "
-            f"use a slice with about {need:.1f}x the memory (more devices, with 2-D parameter "
-            "partitioning to spread parameters, gradients and optimizer state over them)"
+            f"use a slice with {more} (more devices, with 2-D "
+            "parameter partitioning to spread parameters, gradients and optimizer state over "
+            "them)"
         )
     return lines
 
@@ -234,7 +269,10 @@ def plan(
         result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
         compiled = _compile(result, optimizer, partitioner) if compile else None
     fits = _fits(result, compiled)
-    options = memory_plan.knobs(result, optimizer, partitioner) if fits is False else []
+    options = []
+    if fits is False:
+        budget = knob_budget(result, compiled)
+        options = memory_plan.knobs(result, optimizer, partitioner, budget)
     print(report(result, options, compiled), flush=True)
     return result
 
