@@ -76,6 +76,10 @@ class MemoryPlan:
     # gradients exist and the encoder's activations are still kept.
     encoder_activations: int = 0
     decoder_gradients: int = 0
+    # With scanned layers TPU's compiler casts the stacked layer weights to the activation
+    # dtype once, before the forward loop (the cast is loop-invariant), and keeps that copy
+    # until the backward loop is done: live at both backward-pass peaks.
+    cast_weights: int = 0
 
     @property
     def update_temporaries(self) -> int:
@@ -94,13 +98,14 @@ class MemoryPlan:
         activations, the first and the decoder's gradients) and the optimizer update (state,
         gradients and the update's temporaries)."""
         state = self.params + self.opt_state + self.batch
+        backward = state + self.cast_weights
         accumulator = self.gradients if self.workload.num_microbatches > 1 else 0
         decoder_done = self.first_gradients + self.decoder_gradients
         return {
-            "start of the backward pass": state
+            "start of the backward pass": backward
             + self.activations
             + max(accumulator, self.first_gradients),
-            "end of the decoder's backward pass": state
+            "end of the decoder's backward pass": backward
             + self.encoder_activations
             + max(accumulator, decoder_done),
             "optimizer update": state + self.gradients + self.update_temporaries,
@@ -358,6 +363,10 @@ def plan_training(
     activations, encoder_activations = activation_bytes(
         config, partitioner.rules, mesh, work, compiler
     )
+    cast_weights = 0
+    if config.scan_layers and config.activation_dtype.itemsize < 4:
+        stacked = sum(p.bytes_per_device for p in rows if "/layers/" in p.name)
+        cast_weights = stacked * config.activation_dtype.itemsize // 4
     # The batch: int32 tokens of the encoder and the decoder (inputs, targets, loss weights).
     per_device_batch = work.batch_size / mesh["data"]
     batch = int(per_device_batch * (work.input_length + 3 * work.target_length) * 4)
@@ -374,6 +383,7 @@ def plan_training(
         activations=activations,
         encoder_activations=encoder_activations,
         decoder_gradients=decoder_gradients,
+        cast_weights=cast_weights,
         batch=batch,
         compiler=compiler,
     )

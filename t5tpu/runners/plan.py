@@ -114,17 +114,18 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
     """What the estimate is known to leave out for this setting (docs/memory_plan.md)."""
     if not (plan.compiler == memory_plan.TPU and plan.parameters_over_data):
         return []
+    if plan.config.scan_layers:
+        return []  # one layer gathered at a time: within 15% of TPU's compiler
     lines = [
-        "  low for 2-D parameter partitioning: TPU's compiler also keeps weights gathered "
-        "over 'data' and gradients before their reduce-scatter, which this estimate leaves "
-        "out; on the pod experiments compiled it needed 1.5-2.4x this peak "
-        "(docs/memory_plan.md); --gin.plan.compile=True gives the compiler's own figure"
+        "  low for 2-D parameter partitioning with unrolled layers: TPU's compiler gathers "
+        "many layers' weights over 'data' at once, which this estimate leaves out (3B on a "
+        "v5e-64 needed 1.54x this peak, docs/memory_plan.md); --gin.plan.compile=True gives "
+        "the compiler's own figure"
     ]
-    if not plan.config.scan_layers and plan.config.remat_policy == "full":
+    if plan.config.remat_policy == "full":
         lines.append(
-            "  with unrolled layers TPU's compiler gathers many layers' weights at once "
-            "(11B on a v4-128: 12.45 GiB, scanned 4.10); T5Config.scan_layers = True "
-            "gathers one layer's at a time"
+            "  with remat, T5Config.scan_layers = True gathers one layer's at a time (11B on a "
+            "v4-128 took a third of the memory scanned)"
         )
     return lines
 
@@ -135,12 +136,18 @@ def _compiled_lines(
     name, unit = _unit(plan)
     if compiled.out_of_memory:
         return [f"  compiled for {compiled.device_kind}: {compiled.out_of_memory}"]
+    if compiled.heap_peak:
+        parts = f"TPU's heap peak, with the arguments {compiled.arguments / unit:.2f} {name}"
+    else:
+        parts = (
+            f"= arguments {compiled.arguments / unit:.2f} + temporaries "
+            f"{compiled.temporaries / unit:.2f} + outputs {compiled.outputs / unit:.2f} - "
+            f"donated {compiled.aliased / unit:.2f} {name}"
+        )
     return [
         f"  {'peak (XLA, compiled)':22} {compiled.peak / unit:9.2f}   for {compiled.device_kind}; "
         f"the estimate is {plan.peak / compiled.peak:.2f} of it",
-        f"    = arguments {compiled.arguments / unit:.2f} + temporaries "
-        f"{compiled.temporaries / unit:.2f} + outputs {compiled.outputs / unit:.2f} - donated "
-        f"{compiled.aliased / unit:.2f} {name}",
+        f"    {parts}",
     ]
 
 
