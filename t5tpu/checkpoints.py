@@ -15,7 +15,10 @@ importers and exporters see one layout.
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -104,16 +107,35 @@ def save(
     params, opt_state = _unrolled((params, opt_state))
     if dtype != "float32":
         params = jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), params)
-    mngr.save(
-        step,
-        args=ocp.args.Composite(
-            params=ocp.args.StandardSave(params),
-            opt_state=ocp.args.StandardSave(opt_state),
-        ),
-        custom_metadata={INPUT_START_STEP: input_start_step},
-        force=True,
-    )
-    mngr.wait_until_finished()
+    with _ctrl_c_after_the_save():
+        mngr.save(
+            step,
+            args=ocp.args.Composite(
+                params=ocp.args.StandardSave(params),
+                opt_state=ocp.args.StandardSave(opt_state),
+            ),
+            custom_metadata={INPUT_START_STEP: input_start_step},
+            force=True,
+        )
+        mngr.wait_until_finished()
+
+
+@contextlib.contextmanager
+def _ctrl_c_after_the_save():
+    """Holds Ctrl-C until the save is complete, then raises it. orbax's wait_until_finished
+    catches any exception while it waits, KeyboardInterrupt included: it logs it, forgets the
+    step being saved and returns, and training went on as if Ctrl-C was never pressed."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    pressed = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        raise KeyboardInterrupt
 
 
 def _incomplete_reason(step_dir: epath.Path, items) -> str | None:

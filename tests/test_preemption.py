@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SIGNALLED_AT = 3
 
@@ -61,3 +63,30 @@ def _worker(process_id: int, port: str) -> None:
 
 if __name__ == "__main__":
     _worker(int(sys.argv[1]), sys.argv[2])
+
+
+def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(tmp_path):
+    """orbax's wait_until_finished catches a KeyboardInterrupt that lands while it waits (logs
+    it, forgets the step) and training went on; checkpoints.save holds Ctrl-C until the save is
+    complete, then raises it."""
+    import jax.numpy as jnp
+    import orbax.checkpoint as ocp
+
+    from t5tpu import checkpoints
+
+    mngr = checkpoints.manager(str(tmp_path))
+    wait, waited = mngr.wait_until_finished, []
+
+    def ctrl_c_while_waiting():
+        os.kill(os.getpid(), signal.SIGINT)  # without the hold, raised here, before the wait
+        wait()
+        waited.append(True)
+
+    mngr.wait_until_finished = ctrl_c_while_waiting
+    params = {"w": jnp.arange(4.0)}
+    with pytest.raises(KeyboardInterrupt):
+        checkpoints.save(mngr, 3, params, {"m": jnp.zeros(4)}, "float32", 0)
+    assert waited
+    restored = ocp.StandardCheckpointer().restore(tmp_path / "checkpoint_3" / "params")
+    assert (restored["w"] == params["w"]).all()  # complete before Ctrl-C was raised
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
