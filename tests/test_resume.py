@@ -52,7 +52,15 @@ def train(model_dir, *extra):
 def interrupt(model_dir, at_step, sig, stderr=subprocess.DEVNULL):
     """Starts training and sends `sig` once step `at_step` has been reported."""
     proc = subprocess.Popen(
-        command(model_dir), cwd=ROOT, stdout=subprocess.PIPE, stderr=stderr, text=True
+        command(model_dir),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        # A shell without job control starts background jobs (`cmd &`, a CI runner's) with
+        # SIGINT ignored, and children inherit that: Python then never raises
+        # KeyboardInterrupt. Give training the default, as a terminal would.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     lines = []
     for line in proc.stdout:
