@@ -112,17 +112,25 @@ def report(
 
 def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
     """What the estimate is known to leave out for this setting (docs/memory_plan.md)."""
-    if not (plan.compiler == memory_plan.TPU and plan.parameters_over_data):
+    config = plan.config
+    if plan.compiler != memory_plan.TPU:
         return []
-    if plan.config.scan_layers:
-        return []  # one layer gathered at a time: within 15% of TPU's compiler
+    if config.scan_layers and config.remat_policy == "none":
+        return [
+            "  low for scanned layers without remat: jax saves every layer's residuals for the "
+            "backward pass, stacked (float32 norm inputs, dropout masks, the weights as used), "
+            "more than TPU's compiler keeps of unrolled layers (3B on a v5e-64 needed 2.3x this "
+            "peak, docs/memory_plan.md); scan with T5Config.remat_policy = 'full'"
+        ]
+    if config.scan_layers or not plan.parameters_over_data:
+        return []  # scanned with remat, or 1-D: within 15% of TPU's compiler
     lines = [
         "  low for 2-D parameter partitioning with unrolled layers: TPU's compiler gathers "
         "many layers' weights over 'data' at once, which this estimate leaves out (3B on a "
         "v5e-64 needed 1.54x this peak, docs/memory_plan.md); --gin.plan.compile=True gives "
         "the compiler's own figure"
     ]
-    if plan.config.remat_policy == "full":
+    if config.remat_policy == "full":
         lines.append(
             "  with remat, T5Config.scan_layers = True gathers one layer's at a time (11B on a "
             "v4-128 took a third of the memory scanned)"
