@@ -14,7 +14,7 @@ import pytest
 
 from t5tpu import decoding
 from t5tpu.errors import UserError
-from t5tpu.runners.infer import _file_name
+from t5tpu.runners.infer import _file_name, _own_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
@@ -210,6 +210,43 @@ def test_infer_num_examples_decodes_the_first_examples_of_the_split(model_dir, t
     first = read_rows(tmp_path / f"{name}-first7.jsonl")
     assert without_predictions(first) == without_predictions(every[:7])
     assert read_rows(tmp_path / f"{name}.jsonl") == every
+
+
+def test_a_prediction_file_of_other_inputs_is_never_replaced(tmp_path):
+    """Another input file of the same name (or other INFER_INPUTS) gets <name>.2.jsonl; the
+    same inputs again rewrite their own file."""
+    first, other = tmp_path / "questions-5.jsonl", tmp_path / "questions-5.2.jsonl"
+    first.write_text('{"input": "a?", "prediction": "no"}\n{"input": "b?", "prediction": "no"}\n')
+    assert _own_file(str(first), ["a?", "b?"]) == str(first)
+    assert _own_file(str(first), ["a?", "c?"]) == str(other)
+    assert _own_file(str(first), ["a?"]) == str(other)
+    other.write_text('{"input": "a?", "prediction": "yes"}\n')
+    assert _own_file(str(first), ["a?"]) == str(other)
+    assert _own_file(str(first), ["c?"]) == str(tmp_path / "questions-5.3.jsonl")
+    (tmp_path / "notes.jsonl").write_text("my own notes, not predictions\n")
+    assert _own_file(str(tmp_path / "notes.jsonl"), ["a?"]) == str(tmp_path / "notes.2.jsonl")
+
+
+def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
+    out = tmp_path / "out"
+    for folder, lines in (("a", "Is it raining?\n"), ("b", "How do I learn jax?\nWhy?\n")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "questions.txt").write_text(lines)
+    runs = [
+        infer(
+            model_dir,
+            f"--gin.INFER_INPUT_FILE='{tmp_path / folder / 'questions.txt'}'",
+            f"--gin.infer.output_dir='{out}'",
+        )
+        for folder in ("a", "b", "a")
+    ]
+    assert [run.returncode for run in runs] == [0, 0, 0], runs[-1].stderr[-3000:]
+    inputs = {name: [row["input"] for row in read_rows(out / name)] for name in files_in(out)}
+    assert inputs == {
+        f"questions-{STEPS}.jsonl": ["Is it raining?"],
+        f"questions-{STEPS}.2.jsonl": ["How do I learn jax?", "Why?"],
+    }
+    assert f"wrote 1 predictions to {out}/questions-{STEPS}.jsonl" in runs[2].stdout
 
 
 @pytest.mark.parametrize(

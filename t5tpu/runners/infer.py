@@ -1,12 +1,14 @@
 """`t5tpu infer`: decode a text file (one model input per line) or a task split to JSONL.
 
 One output file per checkpoint step: MODEL_DIR/inference/<source>-<step>.jsonl with
-{"input", "prediction"} and "target" when the source knows it. Files are written to a temporary
+{"input", "prediction"} and "target" when the source knows it (<source>-<step>.2.jsonl and on
+when a file of that name holds other inputs' predictions). Files are written to a temporary
 name and renamed, so an interrupted run never leaves a half-written result in their place.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 
@@ -83,6 +85,27 @@ def _write_jsonl(path: str, rows: list[dict]) -> None:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
     tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _inputs_in(path: str) -> list[str] | None:
+    """The inputs of a predictions file, in order; None when it is not one."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return [json.loads(line)["input"] for line in f if line.strip()]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def _own_file(path: str, inputs: list[str]) -> str:
+    """`path`, unless it holds the predictions of other inputs (an input file of the same name
+    in another folder, other INFER_INPUTS): then the first of <name>.2.jsonl, <name>.3.jsonl,
+    ... that is free or holds these inputs' predictions. Rerunning a command rewrites its own
+    file; another input's predictions are never replaced."""
+    stem, ext = os.path.splitext(path)
+    for n in itertools.count(1):
+        candidate = path if n == 1 else f"{stem}.{n}{ext}"
+        if not tf.io.gfile.exists(candidate) or _inputs_in(candidate) == inputs:
+            return candidate
 
 
 def _file_name(
@@ -201,6 +224,7 @@ def infer(
             output_dir or os.path.join(model_dir, "inference"),
             _file_name(source, step, num_examples, settings),
         )
+        path = _own_file(path, [ex["input"] for ex in examples])
         written.append(path)
         if jax.process_index() != 0:  # every process decoded the same rows; one writes them
             print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
