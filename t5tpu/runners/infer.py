@@ -205,6 +205,8 @@ def infer(
     for step in steps:
         checkpoints.check_geometry(mngr, step, params_shape)
     gin_setup.write_operative_config(model_dir, "infer_config.gin")
+    settings = (temperature, top_k, num_beams, beam_alpha, random_seed)
+    inputs = [ex["input"] for ex in examples]
     written = []
     for step in steps:
         params = checkpoints.restore_params(mngr, step, params_shape, shardings)
@@ -219,12 +221,11 @@ def infer(
                 if "target" in ex:
                     row["target"] = ex["target"]
                 rows.append(row)
-        settings = (temperature, top_k, num_beams, beam_alpha, random_seed)
         path = os.path.join(
             output_dir or os.path.join(model_dir, "inference"),
             _file_name(source, step, num_examples, settings),
         )
-        path = _own_file(path, [ex["input"] for ex in examples])
+        path = _own_file(path, inputs)
         written.append(path)
         if jax.process_index() != 0:  # every process decoded the same rows; one writes them
             print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
