@@ -76,10 +76,11 @@ class MemoryPlan:
     # gradients exist and the encoder's activations are still kept.
     encoder_activations: int = 0
     decoder_gradients: int = 0
-    # With scanned layers TPU's compiler casts the stacked layer weights to the activation
-    # dtype once, before the forward loop (the cast is loop-invariant), and keeps that copy
-    # until the backward loop is done: live at both backward-pass peaks.
-    cast_weights: int = 0
+    # Scanned layers keep a copy of their stacked weights at the activation dtype until the
+    # backward loop is done, live at both backward-pass peaks: in bfloat16 TPU's compiler
+    # casts them once, before the forward loop (the cast is loop-invariant); in float32 the
+    # forward loop stacks each layer's weights again as a residual for the backward one.
+    weight_copy: int = 0
 
     @property
     def update_temporaries(self) -> int:
@@ -98,7 +99,7 @@ class MemoryPlan:
         activations, the first and the decoder's gradients) and the optimizer update (state,
         gradients and the update's temporaries)."""
         state = self.params + self.opt_state + self.batch
-        backward = state + self.cast_weights
+        backward = state + self.weight_copy
         accumulator = self.gradients if self.workload.num_microbatches > 1 else 0
         decoder_done = self.first_gradients + self.decoder_gradients
         return {
@@ -298,9 +299,71 @@ def _stack_kept(act: _Activations, length: int, logits: bool, compiler: str) -> 
     return kept
 
 
+def _local_size(act: _Activations, axes: tuple[str, ...], shape: tuple[int, ...], axis: str) -> int:
+    """The size on one device of the `axis` dimension of an activation, as the rules shard it."""
+    spec = partitioning.spec_for_shape(axes, shape, act.rules, act.mesh)
+    position = axes.index(axis)
+    return shape[position] // partitioning.shard_count(PartitionSpec(spec[position]), act.mesh)
+
+
+@functools.lru_cache(maxsize=32)
+def _residual_bytes(config: T5Config, batch: int, input_length: int, target_length: int) -> int:
+    """Bytes of everything jax saves for the backward pass of this model (abstract tracing:
+    nothing is computed or allocated)."""
+    module = Transformer(config)
+    encoder = jax.ShapeDtypeStruct((batch, input_length), jnp.int32)
+    decoder = jax.ShapeDtypeStruct((batch, target_length), jnp.int32)
+    rngs = {"dropout": jax.random.PRNGKey(0)}
+
+    def residuals(enc, dec):
+        params = module.init(jax.random.PRNGKey(0), enc, dec)
+        logits = lambda p: module.apply(p, enc, dec, deterministic=False, rngs=rngs).sum()  # noqa: E731
+        return jax.vjp(logits, params)[1]  # the backward function: its leaves are the residuals
+
+    saved = jax.eval_shape(residuals, encoder, decoder)
+    return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(saved))
+
+
+def _scanned_layer_saved(act: _Activations, input_length: int, target_length: int):
+    """Bytes one scanned encoder layer and one decoder layer save per device for the backward
+    pass without remat. jax decides what a scanned layer saves, not XLA: every layer's
+    residuals leave the forward loop stacked (float32 norm inputs, dropout masks, projections,
+    scores), where TPU's compiler fuses and recomputes most of them for unrolled layers. Read
+    off jax's own trace of the model as one device runs it (its shard of the batch, heads and
+    feed-forward; two layers a stack against one), less the weights as the layers used them:
+    `MemoryPlan.weight_copy` counts those."""
+    c = act.config
+    length_axes = ("batch", "length")
+    local = dataclasses.replace(
+        c,
+        emb_dim=_local_size(act, (*length_axes, "embed"), (act.batch, 1, c.emb_dim), "embed"),
+        num_heads=_local_size(
+            act, (*length_axes, "heads", "kv"), (act.batch, 1, c.num_heads, 1), "heads"
+        ),
+        mlp_dim=_local_size(act, (*length_axes, "mlp"), (act.batch, 1, c.mlp_dim), "mlp"),
+        vocab_size=8,  # the layers do not see it
+        num_encoder_layers=1,
+        num_decoder_layers=1,
+    )
+    batch = _local_size(act, length_axes, (act.batch, 1), "batch")
+    lengths = (batch, input_length, target_length)
+    one = _residual_bytes(local, *lengths)
+    per_layer = []
+    for stack in ("num_encoder_layers", "num_decoder_layers"):
+        two = dataclasses.replace(local, **{stack: 2})
+        weights = (_layer_param_count(two) - _layer_param_count(local)) * act.itemsize
+        per_layer.append(_residual_bytes(two, *lengths) - one - weights)
+    return tuple(per_layer)
+
+
+def _layer_param_count(config: T5Config) -> int:
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(boxed_params(config, 1, 1)))
+
+
 def _stack_layers_kept(act: _Activations, num_layers: int, length: int, cross_length, compiler):
-    """What a stack's layers keep: everything without remat; with remat each layer's input
-    (and with 'dots' its projections; the caller adds the one layer recomputed at a time)."""
+    """What a stack's layers keep (scanned without remat: `_scanned_layer_saved`): everything
+    without remat; with remat each layer's input (and with 'dots' its projections; the caller
+    adds the one layer recomputed at a time)."""
     c = act.config
     if c.remat_policy == "none":
         return num_layers * _layer_kept(act, length, cross_length, compiler)
@@ -316,18 +379,23 @@ def activation_bytes(
     """Bytes per device of the activations a (micro)batch keeps for its backward pass: all of
     them (where the backward pass starts) and the encoder's (where the decoder's backward
     pass ends)."""
-    if compiler == CPU:
-        # XLA's CPU scheduler runs every rematerialized layer's recomputation during the
-        # forward pass (its inputs are ready there), so all recomputed layers are live when
-        # the backward pass starts and the peak is that of no remat. TPU's recomputes each
-        # layer just before its backward pass.
+    if compiler == CPU and not config.scan_layers:
+        # XLA's CPU scheduler runs every rematerialized unrolled layer's recomputation during
+        # the forward pass (its inputs are ready there), so all recomputed layers are live
+        # when the backward pass starts and the peak is that of no remat. TPU's recomputes
+        # each layer just before its backward pass, and so does CPU's inside a scan's loop.
         config = dataclasses.replace(config, remat_policy="none")
     micro = work.batch_size // work.num_microbatches
     act = _Activations(config, rules, mesh, micro)
     L, T = work.input_length, work.target_length
-    encoder = _stack_layers_kept(act, config.num_encoder_layers, L, None, compiler)
+    if config.scan_layers and config.remat_policy == "none":
+        encoder_layer, decoder_layer = _scanned_layer_saved(act, L, T)
+        encoder = config.num_encoder_layers * encoder_layer
+        decoder = config.num_decoder_layers * decoder_layer
+    else:
+        encoder = _stack_layers_kept(act, config.num_encoder_layers, L, None, compiler)
+        decoder = _stack_layers_kept(act, config.num_decoder_layers, T, L, compiler)
     encoder += _stack_kept(act, L, logits=False, compiler=compiler)
-    decoder = _stack_layers_kept(act, config.num_decoder_layers, T, L, compiler)
     decoder += _stack_kept(act, T, logits=True, compiler=compiler)
     if config.remat_policy != "none":
         # One layer at a time is recomputed in full during the backward pass; counted with the
@@ -363,10 +431,10 @@ def plan_training(
     activations, encoder_activations = activation_bytes(
         config, partitioner.rules, mesh, work, compiler
     )
-    cast_weights = 0
-    if config.scan_layers and config.activation_dtype.itemsize < 4:
+    weight_copy = 0
+    if config.scan_layers:
         stacked = sum(p.bytes_per_device for p in rows if "/layers/" in p.name)
-        cast_weights = stacked * config.activation_dtype.itemsize // 4
+        weight_copy = stacked * config.activation_dtype.itemsize // 4
     # The batch: int32 tokens of the encoder and the decoder (inputs, targets, loss weights).
     per_device_batch = work.batch_size / mesh["data"]
     batch = int(per_device_batch * (work.input_length + 3 * work.target_length) * 4)
@@ -383,7 +451,7 @@ def plan_training(
         activations=activations,
         encoder_activations=encoder_activations,
         decoder_gradients=decoder_gradients,
-        cast_weights=cast_weights,
+        weight_copy=weight_copy,
         batch=batch,
         compiler=compiler,
     )

@@ -115,15 +115,8 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
     config = plan.config
     if plan.compiler != memory_plan.TPU:
         return []
-    if config.scan_layers and config.remat_policy == "none":
-        return [
-            "  low for scanned layers without remat: jax saves every layer's residuals for the "
-            "backward pass, stacked (float32 norm inputs, dropout masks, the weights as used), "
-            "more than TPU's compiler keeps of unrolled layers (3B on a v5e-64 needed 2.3x this "
-            "peak, docs/memory_plan.md); scan with T5Config.remat_policy = 'full'"
-        ]
     if config.scan_layers or not plan.parameters_over_data:
-        return []  # scanned with remat, or 1-D: within 15% of TPU's compiler
+        return []  # scanned, or 1-D: within 15% of TPU's compiler
     lines = [
         "  low for 2-D parameter partitioning with unrolled layers: TPU's compiler gathers "
         "many layers' weights over 'data' at once, which this estimate leaves out (3B on a "
