@@ -5,12 +5,12 @@ shardings the logical axis rules give them on the topology's mesh. Activations a
 from the tensors the backward pass keeps, layer by layer, at the configured batch, lengths,
 remat policy and microbatches, with coefficients read off XLA's buffer assignment of the real
 train step; scanned layers without remat keep what jax saves, which the plan reads off jax's
-own trace of the model. Three things depend on the compiler that builds the step, and the plan follows the
-one the topology implies (XLA's CPU compiler for the 'cpu' topology, TPU's for the others):
-which tensors a layer keeps, whether the optimizer update materializes parameter-sized
-temporaries, and whether remat is honoured. tests/test_plan.py checks the plan against XLA's
-compiled memory analysis on every run; docs/memory_plan.md says how close it is, for both
-compilers.
+own trace of the model. Three things depend on the compiler that builds the step, and the
+plan follows the one the topology implies (XLA's CPU compiler for the 'cpu' topology, TPU's
+for the others): which tensors a layer keeps, whether the optimizer update materializes
+parameter-sized temporaries, and whether remat is honoured. tests/test_plan.py checks the
+plan against XLA's compiled memory analysis on every run; docs/memory_plan.md says how close
+it is, for both compilers.
 """
 
 from __future__ import annotations

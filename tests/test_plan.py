@@ -65,6 +65,7 @@ XLA_CASES = {
     "tiny_scanned": XlaCase("tiny", 64, 128, 16, scan_layers=True),
     "tiny_scanned_4x2": XlaCase("tiny", 32, 96, 8, model_parallelism=2, scan_layers=True),
     "tiny_scanned_full": XlaCase("tiny", 64, 128, 16, remat="full", scan_layers=True),
+    "tiny_scanned_dots": XlaCase("tiny", 64, 128, 16, remat="dots", scan_layers=True),
 }
 # For TPU's compiler only (--tpu v2:2x2 --cases ...): the SQuAD experiments' 512-token inputs,
 # scaled down to tiny with 12 encoder layers (the docs' second table).
