@@ -317,9 +317,11 @@ def _residual_bytes(config: T5Config, batch: int, input_length: int, target_leng
     rngs = {"dropout": jax.random.PRNGKey(0)}
 
     def residuals(enc, dec):
+        def summed_logits(params):
+            return module.apply(params, enc, dec, deterministic=False, rngs=rngs).sum()
+
         params = module.init(jax.random.PRNGKey(0), enc, dec)
-        logits = lambda p: module.apply(p, enc, dec, deterministic=False, rngs=rngs).sum()  # noqa: E731
-        return jax.vjp(logits, params)[1]  # the backward function: its leaves are the residuals
+        return jax.vjp(summed_logits, params)[1]  # the backward function: leaves are residuals
 
     saved = jax.eval_shape(residuals, encoder, decoder)
     return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(saved))
@@ -358,6 +360,7 @@ def _scanned_layer_saved(act: _Activations, input_length: int, target_length: in
 
 
 def _layer_param_count(config: T5Config) -> int:
+    """Parameters of the whole model; two depths apart, they give one layer's."""
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(boxed_params(config, 1, 1)))
 
 
