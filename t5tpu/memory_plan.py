@@ -208,10 +208,16 @@ class _Activations:
         self.config, self.rules, self.mesh, self.batch = config, rules, mesh, batch
         self.itemsize = config.activation_dtype.itemsize
 
-    def __call__(self, axes: tuple[str, ...], shape: tuple[int, ...], itemsize=None) -> float:
+    def __call__(self, axes: tuple[str, ...], shape: tuple[int, ...], itemsize=None) -> int:
+        return math.prod(self.local_shape(axes, shape)) * (itemsize or self.itemsize)
+
+    def local_shape(self, axes: tuple[str, ...], shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of one device's shard (the rules only shard dimensions they divide)."""
         spec = partitioning.spec_for_shape(axes, shape, self.rules, self.mesh)
-        count = partitioning.shard_count(spec, self.mesh)
-        return math.prod(shape) / count * (itemsize or self.itemsize)
+        return tuple(
+            size // partitioning.shard_count(PartitionSpec(axis), self.mesh)
+            for size, axis in zip(shape, spec, strict=True)
+        )
 
     def token(self, length: int, axis: str, size: int) -> float:
         return self(("batch", "length", axis), (self.batch, length, size))
@@ -300,13 +306,6 @@ def _stack_kept(act: _Activations, length: int, logits: bool, compiler: str) -> 
     return kept
 
 
-def _local_size(act: _Activations, axes: tuple[str, ...], shape: tuple[int, ...], axis: str) -> int:
-    """The size on one device of the `axis` dimension of an activation, as the rules shard it."""
-    spec = partitioning.spec_for_shape(axes, shape, act.rules, act.mesh)
-    position = axes.index(axis)
-    return shape[position] // partitioning.shard_count(PartitionSpec(spec[position]), act.mesh)
-
-
 @functools.lru_cache(maxsize=32)
 def _residual_bytes(config: T5Config, batch: int, input_length: int, target_length: int) -> int:
     """Bytes of everything jax saves for the backward pass of this model (abstract tracing:
@@ -336,19 +335,18 @@ def _scanned_layer_saved(act: _Activations, input_length: int, target_length: in
     feed-forward; two layers a stack against one), less the weights as the layers used them:
     `MemoryPlan.weight_copy` counts those."""
     c = act.config
-    length_axes = ("batch", "length")
+    batch, _, emb_dim = act.local_shape(("batch", "length", "embed"), (act.batch, 1, c.emb_dim))
+    heads = act.local_shape(("batch", "length", "heads", "kv"), (act.batch, 1, c.num_heads, 1))
+    _, _, mlp_dim = act.local_shape(("batch", "length", "mlp"), (act.batch, 1, c.mlp_dim))
     local = dataclasses.replace(
         c,
-        emb_dim=_local_size(act, (*length_axes, "embed"), (act.batch, 1, c.emb_dim), "embed"),
-        num_heads=_local_size(
-            act, (*length_axes, "heads", "kv"), (act.batch, 1, c.num_heads, 1), "heads"
-        ),
-        mlp_dim=_local_size(act, (*length_axes, "mlp"), (act.batch, 1, c.mlp_dim), "mlp"),
+        emb_dim=emb_dim,
+        num_heads=heads[2],
+        mlp_dim=mlp_dim,
         vocab_size=8,  # the layers do not see it
         num_encoder_layers=1,
         num_decoder_layers=1,
     )
-    batch = _local_size(act, length_axes, (act.batch, 1), "batch")
     lengths = (batch, input_length, target_length)
     one = _residual_bytes(local, *lengths)
     per_layer = []

@@ -11,10 +11,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script_on_eight_devices(script: str, *args: str) -> dict:
-    """Runs `script` with 8 fake CPU devices; returns the JSON of its last stdout line."""
+def run_script_on_eight_devices(script: str, *args: str, env: dict | None = None) -> dict:
+    """Runs `script` with 8 fake CPU devices (in `env`, by default this process's environment);
+    returns the JSON of its last stdout line."""
     env = dict(
-        os.environ,
+        env or os.environ,
         XLA_FLAGS="--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0",
     )
     run = subprocess.run(

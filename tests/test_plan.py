@@ -342,16 +342,9 @@ def test_scanned_layers_without_remat_are_within_15_percent_of_tpu():
     """TPU's compiler (libtpu's compile-only devices of a v2-8) on tiny with scanned layers and
     no remat, data and model parallel."""
     cases = "tiny_scanned,tiny_scanned_4x2"
-    run = subprocess.run(
-        [sys.executable, __file__, "--tpu", "v2:2x2", "--cases", cases],
-        cwd=ROOT,
-        env=with_libtpu() | {"JAX_PLATFORMS": "cpu"},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    for name, case in json.loads(run.stdout.strip().splitlines()[-1]).items():
+    env = with_libtpu() | {"JAX_PLATFORMS": "cpu"}
+    analysis = run_script_on_eight_devices(__file__, "--tpu", "v2:2x2", "--cases", cases, env=env)
+    for name, case in analysis.items():
         assert case["plan_peak"] == pytest.approx(case["xla_peak"], rel=0.15), (name, case)
 
 
