@@ -1,7 +1,7 @@
 """Writes the Quora sample that t5tpu ships: pairs 0..999, split into train and validation.
 
 Rows are copied byte for byte from the source file; which split a pair goes to is decided by
-`t5tpu.quora_data.is_validation_pair`, so re-running this script gives identical files.
+`t5tpu.data.quora_csv.is_validation_pair`, so re-running this script gives identical files.
 
     python scripts/make_quora_sample.py [--source PATH] [--out_dir DIR]
 """
@@ -13,7 +13,7 @@ import sys
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, PROJECT_ROOT)  # lets the script run from a checkout without installing
 
-from t5tpu import quora_data  # noqa: E402
+from t5tpu.data import quora_csv  # noqa: E402
 
 DEFAULT_SOURCE = os.path.join(
     PROJECT_ROOT, "..", "shared", "data", "quora", "quora_duplicate_questions_first8000.tsv"
@@ -24,7 +24,7 @@ SAMPLE_SIZE = 1000
 
 def sample_pairs(source: str) -> list[dict[str, str]]:
     """The pairs with ids 0..SAMPLE_SIZE-1, in file order; fails if any is missing."""
-    pairs = [p for p in quora_data.read_pairs(source) if int(p["id"]) < SAMPLE_SIZE]
+    pairs = [p for p in quora_csv.read_pairs(source) if int(p["id"]) < SAMPLE_SIZE]
     ids = sorted(int(p["id"]) for p in pairs)
     if ids != list(range(SAMPLE_SIZE)):
         raise SystemExit(f"{source}: expected each of ids 0..{SAMPLE_SIZE - 1} exactly once")
@@ -39,10 +39,10 @@ def main() -> None:
 
     pairs = sample_pairs(args.source)
     os.makedirs(args.out_dir, exist_ok=True)
-    for split in quora_data.SPLITS:
-        rows = [p for p in pairs if quora_data.split_of_pair(int(p["id"])) == split]
+    for split in quora_csv.SPLITS:
+        rows = [p for p in pairs if quora_csv.split_of_pair(int(p["id"])) == split]
         path = os.path.join(args.out_dir, f"{split}.tsv")
-        quora_data.write_pairs(path, rows)
+        quora_csv.write_pairs(path, rows)
         duplicates = sum(int(p["is_duplicate"]) for p in rows)
         print(f"{split}: {len(rows)} pairs, {duplicates / len(rows):.1%} duplicates -> {path}")
     total_duplicates = sum(int(p["is_duplicate"]) for p in pairs)

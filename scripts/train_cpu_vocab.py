@@ -17,7 +17,7 @@ import sentencepiece as spm
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, PROJECT_ROOT)  # lets the script run from a checkout without installing
 
-from t5tpu import quora_data  # noqa: E402
+from t5tpu.data import quora_csv  # noqa: E402
 
 DEFAULT_SAMPLE_DIR = os.path.join(PROJECT_ROOT, "t5tpu", "assets", "quora_sample")
 DEFAULT_OUT = os.path.join(PROJECT_ROOT, "t5tpu", "assets", "cpu_vocab.model")
@@ -41,8 +41,8 @@ SEED = 20240101
 def training_sentences(sample_dir: str) -> list[str]:
     """Both questions of every pair in the sample (train, then validation), then task strings."""
     sentences = []
-    for split in quora_data.SPLITS:
-        for pair in quora_data.read_pairs(os.path.join(sample_dir, f"{split}.tsv")):
+    for split in quora_csv.SPLITS:
+        for pair in quora_csv.read_pairs(os.path.join(sample_dir, f"{split}.tsv")):
             sentences += [pair["question1"], pair["question2"]]
     return sentences + list(TASK_STRINGS) * TASK_STRING_REPEATS
 

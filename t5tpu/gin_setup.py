@@ -18,14 +18,15 @@ import gin
 import jax
 import tensorflow as tf
 
+from t5tpu import package_files
 from t5tpu.errors import UserError
 
 CONFIGURABLE_MODULES = (
-    "t5tpu.network",
-    "t5tpu.model",
-    "t5tpu.optim",
+    "t5tpu.model.network",
+    "t5tpu.model.encoder_decoder",
+    "t5tpu.training.optim",
     "t5tpu.partitioning",
-    "t5tpu.vocab",
+    "t5tpu.data.vocab",
     "t5tpu.tasks.quora",
     "t5tpu.tasks.squad",
     "t5tpu.runners.train",
@@ -33,10 +34,6 @@ CONFIGURABLE_MODULES = (
     "t5tpu.runners.infer",
     "t5tpu.runners.plan",
 )
-
-# `--gin_file=configs/...` resolves against the working directory and the installed package,
-# so the bundled configs work from any directory.
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 def import_configurables() -> None:
@@ -48,10 +45,14 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
     """Parses gin files then bindings (later ones win); bad input becomes a UserError."""
     import_configurables()
     gin.clear_config()
-    for path in [*search_paths, ".", PACKAGE_DIR]:
+    # `--gin_file=configs/...` resolves against the working directory, then the installed
+    # package, so the bundled configs work from any directory.
+    roots = [*search_paths, ".", package_files.config_search_path()]
+    for path in roots:
         gin.add_config_file_search_path(path)
     if not gin_files:
         raise UserError("no --gin_file given; pass e.g. --gin_file=configs/experiments/<name>.gin")
+    _check_files_exist(gin_files, roots)
     try:
         gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
     except OSError as e:
@@ -65,6 +66,23 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
             raise UserError(f"cannot parse the binding `{binding}`{hint}") from None
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
+
+
+def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
+    """A missing --gin_file in one line. Checked here because gin's last resort, a lookup on the
+    Python path, fails with a TypeError when a `configs` package is importable (the checkout's
+    own, with the checkout as the working directory)."""
+    for path in gin_files:
+        candidates = (
+            [path]
+            if os.path.isabs(path) or "://" in path
+            else [os.path.join(root, path) for root in roots]
+        )
+        if not any(tf.io.gfile.exists(candidate) for candidate in candidates):
+            raise UserError(
+                f"gin file not found: {path} (looked in {', '.join(roots[:-1])} and the "
+                "installed configs); check the --gin_file path or add --gin_search_paths"
+            )
 
 
 def _check_macros(bindings: list[str]) -> None:

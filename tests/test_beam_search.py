@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 import seqio
 
-from t5tpu import decoding
-from t5tpu.model import EncoderDecoderModel
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model import decoding
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.model.network import T5Config, Transformer
 
 EOS = 1
 
@@ -158,7 +158,9 @@ def test_predict_dispatches_on_num_beams(monkeypatch):
     cfg = T5Config(vocab_size=96)
     model = EncoderDecoderModel(cfg, seqio.PassThroughVocabulary(96, eos_id=EOS))
     batch = {"encoder_input_tokens": "tokens"}
-    model.predict("params", batch, 8, num_beams=4, alpha=0.3)
-    model.predict("params", batch, 8, temperature=0.5)
+    model.predict(
+        "params", batch, 8, settings=decoding.DecodingSettings(num_beams=4, beam_alpha=0.3)
+    )
+    model.predict("params", batch, 8, settings=decoding.DecodingSettings(temperature=0.5))
     assert calls[0] == ("beam", (model.module, "params", "tokens", 8, EOS, 4, 0.3))
     assert calls[1][0] == "greedy" and calls[1][1][3:] == (8, EOS, None, 0.5, 0)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5tpu import bench
+from t5tpu.tools import bench
 
 TINY = "configs/models/t5_1_1/tiny.gin"
 SHAPE = ["--batch_size=2", "--input_length=16", "--target_length=8", "--decode_length=6"]

@@ -18,7 +18,7 @@ STEPS = 200
 
 
 def t5tpu(*args, model_dir=None):
-    cmd = [sys.executable, "-m", "t5tpu.main", *args]
+    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
     if model_dir:
         cmd.append(f"--gin.MODEL_DIR='{model_dir}'")
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -126,7 +126,7 @@ def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_pat
     ) + [f"--gin.TRAIN_STEPS={STEPS}", f"--gin.MODEL_DIR='{run_dir}'"]
     with open(tmp_path / "stderr", "w") as stderr:
         follower = subprocess.Popen(
-            [sys.executable, "-m", "t5tpu.main", "eval", *flags],
+            [sys.executable, "-m", "t5tpu.cli.main", "eval", *flags],
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=stderr,

@@ -19,9 +19,11 @@ from flax import traverse_util
 from test_t5x_format import STEP as T5X_STEP
 from test_t5x_format import expected_values, write_t5x_checkpoint
 
-from t5tpu import checkpoints, convert, hf_format, param_mapping, vocab
+from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.formats import convert, hf_format, param_mapping
+from t5tpu.model.network import T5Config, Transformer
+from t5tpu.storage import checkpoints
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
@@ -38,7 +40,7 @@ CONFIG = T5Config(
 
 
 def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.main", *args]
+    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -1,9 +1,9 @@
-"""data.examples_in: the progress line's example count, packed or not."""
+"""batches.examples_in: the progress line's example count, packed or not."""
 
 import numpy as np
 import tensorflow as tf
 
-from t5tpu import data
+from t5tpu.data import batches, pipeline
 
 LENGTHS = {"inputs": 16, "targets": 8}
 
@@ -20,19 +20,19 @@ def converted_batch(pack: bool) -> dict:
             "targets": tf.TensorSpec([None], tf.int32),
         },
     )
-    ds = data.feature_converter(pack)(ds, LENGTHS)
+    ds = pipeline.feature_converter(pack)(ds, LENGTHS)
     return next(ds.batch(6).as_numpy_iterator())
 
 
 def test_unpacked_rows_are_examples():
     batch = converted_batch(pack=False)
     assert len(batch["decoder_target_tokens"]) == 6
-    assert data.examples_in(batch) == 6
+    assert batches.examples_in(batch) == 6
 
 
 def test_packed_rows_count_each_segment():
     batch = converted_batch(pack=True)
     rows = len(batch["decoder_target_tokens"])
     assert rows < 6  # several examples share a row
-    assert data.examples_in(batch) == 6
+    assert batches.examples_in(batch) == 6
     assert np.all(batch["decoder_segment_ids"].max(axis=1) >= 1)

@@ -5,8 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5tpu import decoding
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model import decoding
+from t5tpu.model.network import T5Config, Transformer
 
 EOS = 1
 

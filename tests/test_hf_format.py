@@ -18,9 +18,11 @@ import safetensors.numpy
 import torch
 import transformers
 
-from t5tpu import decoding, hf_format, param_mapping, vocab
+from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.formats import hf_format, param_mapping
+from t5tpu.model import decoding
+from t5tpu.model.network import T5Config, Transformer
 
 VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS = 128, 64, 2, 32, 128, 2
 EOS = 1

@@ -1,6 +1,6 @@
 """What `t5tpu infer` decodes and the settings it refuses: a split the task lacks or cannot
 read (eval and train too), INFER_NUM_EXAMPLES, NUM_BEAMS, and decoding settings
-(decoding.check_settings) that would crash, decode nonsense or be silently ignored. The model is
+(DecodingSettings.check) that would crash, decode nonsense or be silently ignored. The model is
 trained for two steps: these tests check what is read and refused, not what the model predicts."""
 
 import json
@@ -12,19 +12,21 @@ import sys
 
 import pytest
 
-from t5tpu import decoding
+from t5tpu import package_files
 from t5tpu.errors import UserError
+from t5tpu.model import decoding
+from t5tpu.model.decoding import DecodingSettings
 from t5tpu.runners.infer import _file_name, _own_file
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
-RUNS = os.path.join(ROOT, "t5tpu", "configs", "runs")
+RUNS = package_files.configs_dir("runs")
 STEPS = 2
 VALIDATION_PAIRS = 105  # the bundled sample's validation split
 
 
 def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.main", *args]
+    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
@@ -64,7 +66,7 @@ def read_rows(path):
     return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
-# --- decoding.check_settings ------------------------------------------------------------------
+# --- DecodingSettings.check ------------------------------------------------------------------
 
 VOCAB = 1024
 
@@ -74,7 +76,7 @@ VOCAB = 1024
     [(0.0, 0, 1), (1, 0, 1), (0.7, 40, 1), (1.0, VOCAB, 1), (0.0, 5, 1), (0.0, 0, 4)],
 )
 def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top_k, num_beams):
-    decoding.check_settings(temperature, top_k, num_beams, VOCAB)
+    decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -92,7 +94,7 @@ def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top
 )
 def test_check_settings_refuses(temperature, top_k, num_beams, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        decoding.check_settings(temperature, top_k, num_beams, VOCAB)
+        decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
 
 
 def test_num_beams_has_the_same_default_in_eval_and_infer_run_files():
@@ -110,7 +112,7 @@ def test_num_beams_has_the_same_default_in_eval_and_infer_run_files():
 
 TASK_MODULE = """
 import seqio, tensorflow as tf
-from t5tpu import vocab
+from t5tpu.data import vocab
 
 FEATURES = {"inputs": seqio.Feature(vocab.default_vocabulary()),
             "targets": seqio.Feature(vocab.default_vocabulary())}
@@ -181,7 +183,7 @@ def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        # The rest of decoding.check_settings is tested above; TOP_K is in test_cli.py.
+        # The rest of DecodingSettings.check is tested above; TOP_K is in test_cli.py.
         (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "choose one: NUM_BEAMS = 1 to sample"),
         (["--gin.INFER_NUM_EXAMPLES=0"], "INFER_NUM_EXAMPLES = 0 must be >= 1"),
     ],
@@ -261,7 +263,7 @@ def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
     ],
 )
 def test_prediction_files_are_named_by_the_settings_that_change_them(num_examples, settings, name):
-    assert _file_name("src", 5, num_examples, settings) == name
+    assert _file_name("src", 5, num_examples, DecodingSettings(*settings)) == name
 
 
 def test_num_beams_macro_reaches_infer_and_eval(model_dir, tmp_path):

@@ -13,9 +13,9 @@ import tensorflow as tf
 from flax import traverse_util
 from test_t5x_format import CONFIGS, random_params, t5x_layout
 
-from t5tpu import convert, mesh_tf_format, param_mapping
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.formats import convert, mesh_tf_format, param_mapping
+from t5tpu.model.network import T5Config
 
 STEP = 1_000_000
 BFLOAT16 = "shared/embedding"  # some `t5` checkpoints keep variables in bfloat16

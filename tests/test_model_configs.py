@@ -12,12 +12,13 @@ import pytest
 from flax import linen as nn
 from flax import traverse_util
 
-import t5tpu.model
-import t5tpu.network
-import t5tpu.vocab
+import t5tpu.data.vocab
+import t5tpu.model.encoder_decoder
+import t5tpu.model.network
+from t5tpu import package_files
 
-PACKAGE_DIR = os.path.dirname(os.path.abspath(t5tpu.network.__file__))
-MODELS_DIR = os.path.join(PACKAGE_DIR, "configs", "models")
+PACKAGE_DIR = package_files.config_search_path()
+MODELS_DIR = package_files.configs_dir("models")
 PUBLIC_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model"
 
 # Parameter counts of the published checkpoints (vocabulary padded to 32128).
@@ -36,20 +37,20 @@ PARAMETER_COUNTS = {
 TINY_COUNT = 1_050_368
 
 
-def parse_model_config(name: str) -> t5tpu.network.T5Config:
+def parse_model_config(name: str) -> t5tpu.model.network.T5Config:
     """Parses configs/models/<name>.gin as a run would, and returns the T5Config it binds."""
     gin.clear_config()
     gin.add_config_file_search_path(PACKAGE_DIR)
     gin.parse_config_files_and_bindings(
         [os.path.join(MODELS_DIR, f"{name}.gin")], ["DROPOUT_RATE = 0.0"]
     )
-    return t5tpu.network.T5Config()  # gin fills in every bound field
+    return t5tpu.model.network.T5Config()  # gin fills in every bound field
 
 
-def abstract_param_shapes(config: t5tpu.network.T5Config) -> dict[str, tuple[int, ...]]:
+def abstract_param_shapes(config: t5tpu.model.network.T5Config) -> dict[str, tuple[int, ...]]:
     """Parameter shapes by path, traced with jax.eval_shape: no memory, even for 11B."""
     tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    module = t5tpu.network.Transformer(config)
+    module = t5tpu.model.network.Transformer(config)
     variables = jax.eval_shape(module.init, jax.random.key(0), tokens, tokens)
     flat = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
     return {path: tuple(leaf.shape) for path, leaf in flat.items()}
@@ -76,9 +77,9 @@ def test_published_sizes_have_exact_parameter_counts(name, expected):
 
     # MODEL is an EncoderDecoderModel of this config and the public T5 vocabulary.
     bound = {
-        "MODEL/macro.value": "t5tpu.model.EncoderDecoderModel",
-        "EncoderDecoderModel.config": "t5tpu.network.T5Config",
-        "EncoderDecoderModel.vocabulary": "t5tpu.vocab.default_vocabulary",
+        "MODEL/macro.value": "t5tpu.model.encoder_decoder.EncoderDecoderModel",
+        "EncoderDecoderModel.config": "t5tpu.model.network.T5Config",
+        "EncoderDecoderModel.vocabulary": "t5tpu.data.vocab.default_vocabulary",
     }
     for key, selector in bound.items():
         reference = gin.query_parameter(key)
@@ -106,7 +107,7 @@ def test_dropout_rate_comes_from_the_run(variant):
     gin.parse_config_files_and_bindings(
         [os.path.join(MODELS_DIR, variant, "base.gin")], ["DROPOUT_RATE = 0.1"]
     )
-    assert t5tpu.network.T5Config().dropout_rate == 0.1
+    assert t5tpu.model.network.T5Config().dropout_rate == 0.1
 
 
 @pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1"])
@@ -126,7 +127,7 @@ def test_tiny_configs_build_a_model_with_the_bundled_vocabulary(variant):
     assert ("decoder/logits_dense/kernel" in shapes) == (variant == "t5_1_1")
 
     # The whole MODEL binding resolves on a CPU: the bundled vocabulary fits the embedding.
-    model = t5tpu.model.EncoderDecoderModel()
+    model = t5tpu.model.encoder_decoder.EncoderDecoderModel()
     assert model.config == config
     assert model.vocabulary.vocab_size == 1024
-    assert model.vocabulary is t5tpu.vocab.default_vocabulary()
+    assert model.vocabulary is t5tpu.data.vocab.default_vocabulary()

@@ -2,7 +2,7 @@
 jax.distributed (gloo collectives, jax's default for CPU), against one process with 8 devices.
 
 Each host reads only its rows of every global batch (Partitioner.data_layout) and places them
-with data.to_global; the two-process run must train the tiny model to the same parameters as the
+with batches.to_global; the two-process run must train the tiny model to the same parameters as the
 one-process run, and save them with orbax from both processes into one checkpoint that the
 one-process run restores exactly.
 """
@@ -129,9 +129,9 @@ def test_both_processes_write_one_checkpoint_that_one_process_restores(runs):
 
 
 def _tiny_model():
-    from t5tpu import vocab
-    from t5tpu.model import EncoderDecoderModel
-    from t5tpu.network import T5Config
+    from t5tpu.data import vocab
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.model.network import T5Config
 
     config = T5Config(
         vocab_size=1024,
@@ -150,7 +150,13 @@ def _cli_on_two_processes(command: str, model_dir: str, *flags: str) -> list[str
     port = _free_port()
     running = [
         subprocess.Popen(
-            [sys.executable, "-m", "t5tpu.main", command, f"--coordinator_address=localhost:{port}"]
+            [
+                sys.executable,
+                "-m",
+                "t5tpu.cli.main",
+                command,
+                f"--coordinator_address=localhost:{port}",
+            ]
             + ["--num_processes=2", f"--process_id={pid}", f"--gin.MODEL_DIR='{model_dir}'"]
             + ["--gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin", *flags],
             cwd=ROOT,
@@ -218,14 +224,14 @@ def _host_rows(batch: dict, layout) -> dict:
 def _check_layouts(batch) -> dict:
     import jax
 
-    from t5tpu import data
+    from t5tpu.data import batches
     from t5tpu.partitioning import Partitioner
 
     found = {}
     for parts in MESHES:
         partitioner = Partitioner(num_partitions=parts)
         layout = partitioner.data_layout(GLOBAL_BATCH)
-        placed = data.to_global(_host_rows(batch, layout), partitioner.batch_sharding())
+        placed = batches.to_global(_host_rows(batch, layout), partitioner.batch_sharding())
         gathered = jax.jit(lambda x: x, out_shardings=partitioner.replicated())(
             placed["encoder_input_tokens"]
         )
@@ -243,8 +249,10 @@ def _check_layouts(batch) -> dict:
 def _train(batch, out_dir: str, restore_from: str) -> tuple[list[float], dict, float, float]:
     import jax
 
-    from t5tpu import checkpoints, data, optim, trainer
+    from t5tpu.data import batches
     from t5tpu.partitioning import Partitioner
+    from t5tpu.storage import checkpoints
+    from t5tpu.training import optim, trainer
 
     model, optimizer = _tiny_model(), optim.adafactor(learning_rate=0.01)
     partitioner = Partitioner(num_partitions=TRAIN_PARTITIONS)
@@ -257,7 +265,7 @@ def _train(batch, out_dir: str, restore_from: str) -> tuple[list[float], dict, f
     first = jax.tree_util.tree_leaves(jax.device_get(replicate(state.params)))
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
     layout = partitioner.data_layout(GLOBAL_BATCH)
-    placed = data.to_global(_host_rows(batch, layout), partitioner.batch_sharding())
+    placed = batches.to_global(_host_rows(batch, layout), partitioner.batch_sharding())
     losses = []
     for _ in range(2):
         state, metrics = step(state, placed, jax.random.PRNGKey(1))
@@ -291,7 +299,7 @@ def _worker(out_dir: str, processes: int, process_id: int, port: int, restore_fr
     import jax
     from jax.experimental import multihost_utils
 
-    from t5tpu import checkpoints
+    from t5tpu.storage import checkpoints
 
     if processes > 1:
         jax.distributed.initialize(f"localhost:{port}", processes, process_id)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from flax import traverse_util
 
-from t5tpu import layers
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model import layers
+from t5tpu.model.network import T5Config, Transformer
 
 VARIANTS = {
     "t5_1_0": dict(mlp_activations=("relu",), logits_via_embedding=True),

@@ -3,7 +3,7 @@
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu import optim
+from t5tpu.training import optim
 
 
 def test_logged_rate_is_the_rate_adamw_applies_at_each_step():

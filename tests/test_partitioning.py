@@ -14,9 +14,10 @@ import pytest
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 
-from t5tpu import optim, partitioning
-from t5tpu.memory_plan import boxed_params
-from t5tpu.network import T5Config
+from t5tpu import partitioning
+from t5tpu.model.network import T5Config
+from t5tpu.planning.memory_plan import boxed_params
+from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # A small T5 1.1 (1+1 layers) whose heads, mlp and vocab divide every mesh up to 8-way model
@@ -212,8 +213,9 @@ def _worker() -> dict:
     import jax
     import numpy as np
 
-    from t5tpu import trainer, vocab
-    from t5tpu.model import EncoderDecoderModel
+    from t5tpu.data import vocab
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.training import trainer
 
     assert jax.device_count() == 8
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())

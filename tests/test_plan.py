@@ -17,10 +17,12 @@ import sys
 import pytest
 from fake_devices import run_script_on_eight_devices
 
-from t5tpu import memory_plan, optim, partitioning
+from t5tpu import package_files, partitioning
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.model.network import T5Config
+from t5tpu.planning import memory_plan
 from t5tpu.runners import plan as plan_runner
+from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(
@@ -231,7 +233,7 @@ def test_scanned_layers_keep_a_copy_of_their_stacked_weights():
 
 def test_the_compiled_peak_decides_the_verdict():
     """When the step was compiled, XLA's peak judges the fit, even where the estimate fits."""
-    from t5tpu.compiled_memory import CompiledMemory
+    from t5tpu.planning.compiled_memory import CompiledMemory
 
     work = memory_plan.Workload(64, 128, 16)
     estimate = _plan(T5Config(**TINY), work, devices=8)
@@ -291,7 +293,7 @@ def test_plan_is_within_15_percent_of_xla(xla_analysis, name):
 
 def t5tpu(*args, env=None):
     return subprocess.run(
-        [sys.executable, "-m", "t5tpu.main", *args],
+        [sys.executable, "-m", "t5tpu.cli.main", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -415,7 +417,7 @@ def test_every_tpu_topology_names_a_slice_libtpu_knows():
     compile_only_devices, which raises otherwise)."""
     names = sorted(
         name[:-4]
-        for name in os.listdir(os.path.join(ROOT, "t5tpu", "configs", "topologies"))
+        for name in os.listdir(package_files.configs_dir("topologies"))
         if name != "cpu.gin"
     )
     code = (
@@ -478,7 +480,7 @@ def test_docs_table_matches_the_plans():
         doc = f.read()
     experiments = sorted(
         name[:-4]
-        for name in os.listdir(os.path.join(ROOT, "t5tpu", "configs", "experiments"))
+        for name in os.listdir(package_files.configs_dir("experiments"))
         if re.search(r"_v\d[a-z]?-\d+\.gin$", name)
     )
     rows = {
@@ -581,7 +583,7 @@ def _echo_path() -> str:
 
 def _xla_memory(model, optimizer, partitioner, work: memory_plan.Workload) -> dict:
     """XLA's compiled memory analysis of the real train step: its peak and argument bytes."""
-    from t5tpu import compiled_memory
+    from t5tpu.planning import compiled_memory
 
     memory = compiled_memory.train_step_memory(model, optimizer, partitioner, work)
     return {"xla_peak": memory.peak, "xla_arguments": memory.arguments}
@@ -591,8 +593,9 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     """{case name: XLA's peak and arguments, the plan's peak and state} for the named cases,
     compiled for the 8 (fake) CPU devices, or with `tpu_topology` (e.g. 'v3:2x2') for that
     TPU slice's compile-only devices (needs libtpu, no TPU)."""
-    from t5tpu import compiled_memory, gin_setup
-    from t5tpu.model import EncoderDecoderModel
+    from t5tpu import gin_setup
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.planning import compiled_memory
 
     devices, topology = None, partitioning.Topology()  # the 'cpu' topology: CPU's compiler
     if tpu_topology:

@@ -45,7 +45,7 @@ def _worker(process_id: int, port: str) -> None:
     import jax
 
     jax.distributed.initialize(f"localhost:{port}", 2, process_id)
-    from t5tpu.preemption import PreemptionWatch
+    from t5tpu.training.preemption import PreemptionWatch
 
     watch = PreemptionWatch()
     for step in range(1, 200):
@@ -72,7 +72,7 @@ def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(tmp
     import jax.numpy as jnp
     import orbax.checkpoint as ocp
 
-    from t5tpu import checkpoints
+    from t5tpu.storage import checkpoints
 
     mngr = checkpoints.manager(str(tmp_path))
     wait, waited = mngr.wait_until_finished, []

@@ -19,7 +19,7 @@ QUICK = [f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=8", f"--gin.SAVE_PERIOD
 
 
 def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.main", *args]
+    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 

@@ -1,4 +1,4 @@
-"""`t5tpu prepare-quora` (t5tpu.quora_data.prepare / main): real files, hostile rows, overwrite
+"""`t5tpu prepare-quora` (t5tpu.data.quora_csv.prepare / main): real files, hostile rows, overwrite
 refusal, atomic output and byte-for-byte determinism."""
 
 import hashlib
@@ -7,10 +7,10 @@ import os
 
 import pytest
 import tensorflow as tf
-
-from t5tpu import quora_data
-from t5tpu.errors import UserError
 from t5tpu.tasks import quora
+
+from t5tpu.data import quora_csv
+from t5tpu.errors import UserError
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_QUORA = os.path.join(PROJECT_ROOT, "..", "shared", "data", "quora")
@@ -52,8 +52,8 @@ HOSTILE_REJECTIONS = [
 
 
 def read_split(output_dir, split) -> list[dict]:
-    path = os.path.join(str(output_dir), quora_data.OUTPUT_FILES[split])
-    description = quora_data.tfrecord_feature_description()
+    path = os.path.join(str(output_dir), quora_csv.OUTPUT_FILES[split])
+    description = quora_csv.tfrecord_feature_description()
     dataset = tf.data.TFRecordDataset(path).map(
         lambda record: tf.io.parse_single_example(record, description)
     )
@@ -64,7 +64,7 @@ def read_split(output_dir, split) -> list[dict]:
 
 
 def read_stats(output_dir) -> dict:
-    with open(os.path.join(str(output_dir), quora_data.STATS_FILE)) as file:
+    with open(os.path.join(str(output_dir), quora_csv.STATS_FILE)) as file:
         return json.load(file)
 
 
@@ -80,7 +80,7 @@ def hostile_csv(tmp_path_factory):
 
 
 def test_kaggle_csv_gives_the_sample_split_and_text(tmp_path):
-    stats = quora_data.prepare(KAGGLE_CSV, str(tmp_path))
+    stats = quora_csv.prepare(KAGGLE_CSV, str(tmp_path))
     assert (stats.format, stats.pairs, stats.duplicates) == (
         "csv",
         {"train": 895, "validation": 104},
@@ -90,10 +90,10 @@ def test_kaggle_csv_gives_the_sample_split_and_text(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["stats.json", "train.tfrecord", "validation.tfrecord"]
     train, validation = read_split(tmp_path, "train"), read_split(tmp_path, "validation")
     assert sorted(p["id"] for p in train + validation) == list(range(999))
-    assert all(quora_data.is_validation_pair(p["id"]) for p in validation)
+    assert all(quora_csv.is_validation_pair(p["id"]) for p in validation)
     # The CSV holds the same rows as the bundled TSV sample (ids 0..998): same text, same split.
     for split, pairs in (("train", train), ("validation", validation)):
-        expected = [p for p in quora_data.read_pairs(quora.sample_path(split)) if p["id"] != "999"]
+        expected = [p for p in quora_csv.read_pairs(quora.sample_path(split)) if p["id"] != "999"]
         assert [(p["id"], p["question1"], p["question2"], p["is_duplicate"]) for p in pairs] == [
             (int(p["id"]), p["question1"], p["question2"], int(p["is_duplicate"])) for p in expected
         ]
@@ -109,7 +109,7 @@ def test_kaggle_csv_gives_the_sample_split_and_text(tmp_path):
 
 
 def test_release_tsv_keeps_the_quoted_newline(tmp_path):
-    stats = quora_data.prepare(RELEASE_TSV, str(tmp_path))
+    stats = quora_csv.prepare(RELEASE_TSV, str(tmp_path))
     assert (stats.format, stats.pairs, stats.duplicates, stats.rejected) == (
         "tsv",
         {"train": 7159, "validation": 841},
@@ -124,13 +124,13 @@ def test_release_tsv_keeps_the_quoted_newline(tmp_path):
 
 
 def test_hostile_rows_are_counted_and_reported_by_line(hostile_csv, tmp_path, capsys):
-    assert quora_data.main([f"--input={hostile_csv}", f"--output_dir={tmp_path}"]) == 0
+    assert quora_csv.main([f"--input={hostile_csv}", f"--output_dir={tmp_path}"]) == 0
     stats = read_stats(tmp_path)
     assert stats["pairs"] == {"train": 3, "validation": 1}
     assert stats["duplicates"] == {"train": 2, "validation": 0}
     assert stats["rejected"] == HOSTILE_REJECTIONS and stats["num_rejected"] == 7
     assert stats["blank_lines"] == [9]
-    pairs = {p["id"]: p for split in quora_data.SPLITS for p in read_split(tmp_path, split)}
+    pairs = {p["id"]: p for split in quora_csv.SPLITS for p in read_split(tmp_path, split)}
     assert sorted(pairs) == [0, 1, 5, 9]
     assert pairs[0]["question2"] == 'Why "quotes" here?'
     assert pairs[1]["question1"] == "A question\r\nspanning lines, with a comma?"
@@ -170,11 +170,11 @@ def test_glue_style_tsv_needs_quoting_none_for_a_stray_quote(tmp_path):
     with pytest.raises(
         UserError, match=r"no usable pairs \(1 rows rejected, e\.g\. lines 2-4: "
     ) as e:
-        quora_data.prepare(str(source), str(tmp_path / "quoted"))
+        quora_csv.prepare(str(source), str(tmp_path / "quoted"))
     assert str(e.value).endswith("; GLUE's QQP files need --quoting=none")
     assert not (tmp_path / "quoted").exists()  # a failed run leaves nothing, not even the dir
 
-    stats = quora_data.prepare(str(source), str(tmp_path / "plain"), quoting="none")
+    stats = quora_csv.prepare(str(source), str(tmp_path / "plain"), quoting="none")
     assert (stats.pairs, stats.rejected) == ({"train": 2, "validation": 1}, [])
     validation = read_split(tmp_path / "plain", "validation")
     assert [(p["id"], p["question1"]) for p in validation] == [(0, '"Unclosed quote?')]
@@ -190,14 +190,14 @@ def test_a_quote_closed_mid_field_is_rejected_not_dropped(tmp_path):
         "0\t3\t4\tFine?\tAlso fine?\t1\n"
         "2\t5\t6\tOK?\tYes?\t0\n"
     )
-    stats = quora_data.prepare(str(source), str(tmp_path / "quoted"))
+    stats = quora_csv.prepare(str(source), str(tmp_path / "quoted"))
     assert sum(stats.pairs.values()) == 2
     assert [r.describe() for r in stats.rejected] == [
         "line 2: unreadable record ('\\t' expected after '\"'; if quotes are text in this "
         "file: --quoting=none)"
     ]
 
-    quora_data.prepare(str(source), str(tmp_path / "plain"), quoting="none")
+    quora_csv.prepare(str(source), str(tmp_path / "plain"), quoting="none")
     train = read_split(tmp_path / "plain", "train")
     assert [(p["id"], p["question1"]) for p in train] == [(1, '"Imagine" by whom?'), (2, "OK?")]
 
@@ -206,41 +206,41 @@ def test_unknown_header_and_missing_input_are_user_errors(tmp_path):
     source = tmp_path / "test.tsv"
     source.write_text("id\tquestion1\tquestion2\n0\ta?\tb?\n")
     with pytest.raises(UserError, match="expected the header id,qid1,qid2,question1,question2"):
-        quora_data.prepare(str(source), str(tmp_path / "out"))
+        quora_csv.prepare(str(source), str(tmp_path / "out"))
     with pytest.raises(UserError, match="input file not found"):
-        quora_data.prepare(str(tmp_path / "nope.csv"), str(tmp_path / "out"))
+        quora_csv.prepare(str(tmp_path / "nope.csv"), str(tmp_path / "out"))
     with pytest.raises(UserError, match="is a directory; pass the pairs file in it"):
-        quora_data.prepare(str(tmp_path), str(tmp_path / "out"))
+        quora_csv.prepare(str(tmp_path), str(tmp_path / "out"))
     with pytest.raises(UserError, match="test.tsv is a file; pass a directory"):
-        quora_data.prepare(KAGGLE_CSV, str(source))
+        quora_csv.prepare(KAGGLE_CSV, str(source))
     # Pairs only in train (id 0 goes to validation, ids 1 and 2 to train): eval would fail later.
     one_split = tmp_path / "one_split.tsv"
     one_split.write_text("id\tqid1\tqid2\tquestion1\tquestion2\tis_duplicate\n1\t3\t4\tA?\tB?\t1\n")
     with pytest.raises(UserError, match="1 usable pairs, none in the validation split"):
-        quora_data.prepare(str(one_split), str(tmp_path / "out"))
+        quora_csv.prepare(str(one_split), str(tmp_path / "out"))
     assert sorted(os.listdir(tmp_path)) == ["one_split.tsv", "test.tsv"]
 
 
 def test_existing_output_is_kept_without_overwrite(hostile_csv, tmp_path):
-    quora_data.prepare(KAGGLE_CSV, str(tmp_path))
+    quora_csv.prepare(KAGGLE_CSV, str(tmp_path))
     before = output_bytes(tmp_path)
     with pytest.raises(UserError) as raised:
-        quora_data.prepare(hostile_csv, str(tmp_path))
+        quora_csv.prepare(hostile_csv, str(tmp_path))
     assert str(raised.value) == (
         f"{tmp_path} already holds train.tfrecord, validation.tfrecord, stats.json; pass "
         "--overwrite to replace them or choose another --output_dir"
     )
     assert output_bytes(tmp_path) == before
 
-    quora_data.prepare(hostile_csv, str(tmp_path), overwrite=True)
+    quora_csv.prepare(hostile_csv, str(tmp_path), overwrite=True)
     assert read_stats(tmp_path)["pairs"] == {"train": 3, "validation": 1}
     assert sorted(os.listdir(tmp_path)) == ["stats.json", "train.tfrecord", "validation.tfrecord"]
 
 
 def test_a_failure_midway_leaves_the_previous_dataset_whole(tmp_path, monkeypatch):
-    quora_data.prepare(KAGGLE_CSV, str(tmp_path))
+    quora_csv.prepare(KAGGLE_CSV, str(tmp_path))
     before = output_bytes(tmp_path)
-    serialize = quora_data._serialize
+    serialize = quora_csv._serialize
     written = []
 
     def fail_on_the_500th(pair):
@@ -249,16 +249,16 @@ def test_a_failure_midway_leaves_the_previous_dataset_whole(tmp_path, monkeypatc
             raise OSError("disk full")
         return serialize(pair)
 
-    monkeypatch.setattr(quora_data, "_serialize", fail_on_the_500th)
+    monkeypatch.setattr(quora_csv, "_serialize", fail_on_the_500th)
     with pytest.raises(OSError, match="disk full"):
-        quora_data.prepare(RELEASE_TSV, str(tmp_path), overwrite=True)
+        quora_csv.prepare(RELEASE_TSV, str(tmp_path), overwrite=True)
     assert output_bytes(tmp_path) == before  # no temporary files left, nothing replaced
 
 
 def test_same_input_gives_the_same_bytes(hostile_csv, tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
-    quora_data.prepare(hostile_csv, str(first))
-    quora_data.prepare(hostile_csv, str(second))
+    quora_csv.prepare(hostile_csv, str(first))
+    quora_csv.prepare(hostile_csv, str(second))
     assert output_bytes(first) == output_bytes(second)
     # And across processes and machines: these are the bytes every run has written.
     digests = {

@@ -8,10 +8,10 @@ import sys
 import gin
 import pytest
 import seqio
-
-from t5tpu import quora_data, vocab
-from t5tpu.errors import UserError, one_line_message
 from t5tpu.tasks import metrics, quora
+
+from t5tpu.data import quora_csv, vocab
+from t5tpu.errors import UserError, one_line_message
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_QUORA = os.path.join(
@@ -29,7 +29,7 @@ QUORA_NAMES = [
 
 
 def _sample(split):
-    return list(quora_data.read_pairs(quora.sample_path(split)))
+    return list(quora_csv.read_pairs(quora.sample_path(split)))
 
 
 @pytest.fixture(scope="module")
@@ -41,10 +41,10 @@ def task():
 
 
 def test_split_rule_is_stable_and_near_ten_percent():
-    validation_ids = [i for i in range(1000) if quora_data.is_validation_pair(i)]
+    validation_ids = [i for i in range(1000) if quora_csv.is_validation_pair(i)]
     assert len(validation_ids) == 105
     assert validation_ids[:5] == [0, 4, 11, 36, 52]
-    assert [quora_data.split_of_pair(i) for i in (0, 1)] == ["validation", "train"]
+    assert [quora_csv.split_of_pair(i) for i in (0, 1)] == ["validation", "train"]
 
 
 def test_bundled_splits_are_disjoint_and_cover_ids_0_to_999():
@@ -53,7 +53,7 @@ def test_bundled_splits_are_disjoint_and_cover_ids_0_to_999():
     assert (len(train_ids), len(validation_ids)) == (895, 105)
     assert not set(train_ids) & set(validation_ids)
     assert sorted(train_ids + validation_ids) == list(range(1000))
-    assert all(quora_data.is_validation_pair(i) for i in validation_ids)
+    assert all(quora_csv.is_validation_pair(i) for i in validation_ids)
     assert sum(int(p["is_duplicate"]) for p in _sample("train")) == 344
     assert sum(int(p["is_duplicate"]) for p in _sample("validation")) == 36
 
@@ -61,7 +61,7 @@ def test_bundled_splits_are_disjoint_and_cover_ids_0_to_999():
 def test_bundled_rows_are_byte_identical_to_the_release():
     with open(SHARED_QUORA, encoding="utf-8", newline="") as file:
         source_lines = set(file.read().split("\n"))
-    for split in quora_data.SPLITS:
+    for split in quora_csv.SPLITS:
         with open(quora.sample_path(split), encoding="utf-8", newline="") as file:
             lines = file.read().split("\n")
         assert lines[-1] == ""  # the file ends with a newline
@@ -69,7 +69,7 @@ def test_bundled_rows_are_byte_identical_to_the_release():
 
 
 def test_read_pairs_keeps_a_quoted_newline_inside_its_record():
-    pairs = list(quora_data.read_pairs(SHARED_QUORA))
+    pairs = list(quora_csv.read_pairs(SHARED_QUORA))
     assert len(pairs) == 8000
     assert [int(p["id"]) for p in pairs] == list(range(8000))
     record = pairs[2332]
@@ -244,7 +244,7 @@ def test_mixture_yields_examples_of_both_tasks(task):
 
 def test_tasks_read_a_prepared_directory(gin_bindings, tmp_path):
     kaggle_csv = os.path.join(os.path.dirname(SHARED_QUORA), "kaggle_train_head999.csv")
-    quora_data.prepare(kaggle_csv, str(tmp_path))
+    quora_csv.prepare(kaggle_csv, str(tmp_path))
     gin_bindings("quora_data_dir.path", str(tmp_path))
     quora.register(vocab.default_vocabulary())
     is_duplicate = seqio.get_mixture_or_task(quora.TASK_NAME)

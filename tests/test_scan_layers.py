@@ -21,8 +21,12 @@ import pytest
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 
-from t5tpu import checkpoints, decoding, layer_stacking, optim, partitioning, vocab
-from t5tpu.network import T5Config, Transformer
+from t5tpu import partitioning
+from t5tpu.data import vocab
+from t5tpu.model import decoding, layer_stacking
+from t5tpu.model.network import T5Config, Transformer
+from t5tpu.storage import checkpoints
+from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Tiny T5 1.1 with different encoder and decoder depths, so a mix-up of the stacks shows.
@@ -267,7 +271,10 @@ def test_checkpoints_of_scanned_and_unrolled_runs_are_interchangeable(tmp_path, 
 
 
 def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
-    from t5tpu import convert, hf_format  # imports tensorflow: kept out of the 8-device worker
+    from t5tpu.formats import (
+        convert,
+        hf_format,  # imports tensorflow: kept out of the 8-device worker
+    )
 
     unrolled, stacked = params
     abstract = _abstract(stacked)
@@ -315,8 +322,8 @@ def test_scanned_state_is_placed_by_the_rules(train_steps):
 
 
 def _worker() -> dict:
-    from t5tpu import trainer
-    from t5tpu.model import EncoderDecoderModel
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.training import trainer
 
     assert jax.device_count() == 8
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())

@@ -24,7 +24,7 @@ EM_THRESHOLD = 80.0
 
 
 def t5tpu(*args, model_dir):
-    cmd = [sys.executable, "-m", "t5tpu.main", *args, f"--gin.MODEL_DIR='{model_dir}'"]
+    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args, f"--gin.MODEL_DIR='{model_dir}'"]
     run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     return run

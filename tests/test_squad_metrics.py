@@ -10,7 +10,6 @@ import json
 import os
 
 import pytest
-
 from t5tpu.tasks import squad, squad_metrics
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared")

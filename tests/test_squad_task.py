@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 import seqio
 import tensorflow_datasets as tfds
-
-from t5tpu import data, gin_setup, vocab
-from t5tpu.errors import UserError
 from t5tpu.tasks import squad
+
+from t5tpu import gin_setup
+from t5tpu.data import availability, pipeline, vocab
+from t5tpu.errors import UserError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SQUAD_DIR = os.path.join(ROOT, "..", "shared", "data", "squad")
@@ -129,7 +130,7 @@ def _score_through_seqio(task_name, predict):
     model: it maps the model features of a batch to the predicted token ids."""
     evaluator = seqio.Evaluator(
         task_name,
-        data.feature_converter(pack=False),
+        pipeline.feature_converter(pack=False),
         eval_split="validation",
         sequence_length={"inputs": 256, "targets": 32},
         num_examples=40,
@@ -243,7 +244,7 @@ def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path,
     _refuse_downloads(monkeypatch)
     _set_dns(monkeypatch, resolves=True)
     with pytest.raises(UserError) as error:
-        data.check_readable("squad_v1", "validation", "EVAL_SPLIT")
+        availability.check_readable("squad_v1", "validation", "EVAL_SPLIT")
     gin.clear_config()
     assert str(error.value) == (
         "cannot read the 'validation' split of task 'squad_v1': tfds squad/v1.1/3.0.0 is not "
@@ -263,7 +264,7 @@ def test_offline_the_check_fails_at_once_instead_of_retrying_the_download(tmp_pa
         tfds.core.DatasetBuilder, "download_and_prepare", lambda *_: pytest.fail("downloaded")
     )
     with pytest.raises(UserError) as error:
-        data.check_readable("squad_v1", "train")
+        availability.check_readable("squad_v1", "train")
     assert "failed (no network: cannot resolve rajpurkar.github.io, storage.googleapis.com)" in (
         str(error.value)
     )
@@ -271,7 +272,7 @@ def test_offline_the_check_fails_at_once_instead_of_retrying_the_download(tmp_pa
     _refuse_downloads(monkeypatch)
     _set_dns(monkeypatch, resolves=False, proxy="http://proxy.example:3128")
     with pytest.raises(UserError, match="ConnectionError: Failed to resolve the host of squad"):
-        data.check_readable("squad_v1", "train")
+        availability.check_readable("squad_v1", "train")
     gin.clear_config()
 
 
@@ -281,8 +282,8 @@ def test_prepared_tfds_data_passes_the_check_without_a_download(tmp_path, monkey
     _prepare_tfds_offline("squad/v1.1", small, data_dir, monkeypatch)
     register(f"squad_v1_source.tfds_data_dir = '{data_dir}'")
     _refuse_downloads(monkeypatch)
-    data.check_readable("squad_v1", "validation", "EVAL_SPLIT")  # raises if it downloads
-    data.check_readable("squad_v1", "train")
+    availability.check_readable("squad_v1", "validation", "EVAL_SPLIT")  # raises if it downloads
+    availability.check_readable("squad_v1", "train")
     gin.clear_config()
 
 
@@ -339,7 +340,7 @@ def _prepare_on_one_of_two_hosts(small, data_dir, log, process_id, port):
             tfds.download.DownloadManager, "download_and_extract", return_value=files
         ),
     ):
-        data.check_readable("squad_v1", "validation")
+        availability.check_readable("squad_v1", "validation")
     print(json.dumps({"rows": len(examples(task, lengths={"inputs": 256, "targets": 32}))}))
 
 

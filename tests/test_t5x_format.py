@@ -17,9 +17,9 @@ import pytest
 import tensorstore as ts
 from flax import traverse_util
 
-from t5tpu import convert, param_mapping, t5x_format
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.formats import convert, param_mapping, t5x_format
+from t5tpu.model.network import T5Config, Transformer
 
 STEP = 1_000_000
 CONFIGS = {

@@ -19,10 +19,14 @@ import tensorflow as tf
 from clu import metric_writers
 from jax.experimental import multihost_utils
 
-from t5tpu import checkpoints, data, decoding, gin_setup, trainer
+from t5tpu import gin_setup
+from t5tpu.data import availability, batches, pipeline, registry
 from t5tpu.errors import UserError
-from t5tpu.model import EncoderDecoderModel
+from t5tpu.model import decoding
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.storage import checkpoints
+from t5tpu.training import trainer
 
 
 def run_name(split: str) -> str:
@@ -63,10 +67,10 @@ class TaskEvaluator:
         self.model = model
         self.batch_size = batch_size
         self.model_dir = model_dir
-        self.target_length = data.model_lengths(task_feature_lengths)[1]
+        self.target_length = pipeline.model_lengths(task_feature_lengths)[1]
         self.evaluator = seqio.Evaluator(
             task_name,
-            data.feature_converter(pack=False),
+            pipeline.feature_converter(pack=False),
             eval_split=split,
             sequence_length=dict(task_feature_lengths),
             num_examples=num_examples,
@@ -85,7 +89,10 @@ class TaskEvaluator:
         )
         self._predict = partitioner.jit(
             lambda p, b: model.predict(
-                p, b, self.target_length, num_beams=num_beams, alpha=beam_alpha
+                p,
+                b,
+                self.target_length,
+                settings=decoding.DecodingSettings(num_beams=num_beams, beam_alpha=beam_alpha),
             ),
             **with_sharding,
         )
@@ -97,9 +104,9 @@ class TaskEvaluator:
 
     def _run(self, ds: tf.data.Dataset, fn, params) -> list:
         results = []
-        for indices, features in data.padded_batches(ds, self.batch_size):
+        for indices, features in batches.padded_batches(ds, self.batch_size):
             real = len(indices)
-            batch = data.full_batch_to_global(
+            batch = batches.full_batch_to_global(
                 {k: v for k, v in features.items() if k.startswith(("encoder_", "decoder_"))},
                 self.batch_sharding,
             )
@@ -222,10 +229,10 @@ def evaluate(
     Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
-    decoding.check_settings(0.0, 0, num_beams, model.config.vocab_size)
-    data.get_task(mixture_or_task_name, mixture_or_task_module)
-    data.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
-    input_length, target_length = data.model_lengths(task_feature_lengths)
+    decoding.DecodingSettings(num_beams=num_beams).check(model.config.vocab_size)
+    registry.get_task(mixture_or_task_name, mixture_or_task_module)
+    availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
+    input_length, target_length = pipeline.model_lengths(task_feature_lengths)
     params_shape, shardings = trainer.abstract_params(
         model, partitioner, input_length, target_length
     )

@@ -17,10 +17,14 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from t5tpu import checkpoints, data, decoding, gin_setup, trainer
+from t5tpu import gin_setup
+from t5tpu.data import availability, batches, pipeline, registry
 from t5tpu.errors import UserError
-from t5tpu.model import EncoderDecoderModel
+from t5tpu.model import decoding
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.storage import checkpoints
+from t5tpu.training import trainer
 
 
 def _read_lines(path: str) -> list[str]:
@@ -45,7 +49,7 @@ def _examples_from_texts(texts: list[str], vocabulary, input_length: int) -> lis
 def _examples_from_task(
     task_name: str, split: str, task_feature_lengths, num_examples: int | None
 ) -> list[dict]:
-    task = data.get_task(task_name)
+    task = registry.get_task(task_name)
     if isinstance(task, seqio.Mixture):
         names = ", ".join(t.name for t in task.tasks)
         raise UserError(
@@ -59,7 +63,7 @@ def _examples_from_task(
             f"nothing to infer: task {task_name!r} has no {split!r} split; set INFER_SPLIT to a "
             f"split the task has: {', '.join(task.splits)}"
         )
-    data.check_readable(task_name, split, "INFER_SPLIT")
+    availability.check_readable(task_name, split, "INFER_SPLIT")
     return _read_split(task, split, task_feature_lengths, num_examples)
 
 
@@ -112,21 +116,21 @@ def _file_name(
     source: str,
     step: int,
     num_examples: int | None,
-    decoding_settings: tuple[float, int, int, float, int],
+    settings: decoding.DecodingSettings,
 ) -> str:
     """<source>-<step>[-first<N>][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl.
 
     Every setting that changes the predictions is in the name, so decoding the same inputs
     another way never replaces earlier predictions, while the same command (deterministic, seed
     included) rewrites its own file. Greedy decoding of every input keeps the plain name."""
-    temperature, top_k, num_beams, beam_alpha, seed = decoding_settings
     name = f"{source}-{step}"
     if num_examples is not None:
         name += f"-first{num_examples}"
-    if num_beams > 1:
-        name += f"-beam{num_beams}-alpha{beam_alpha:g}"
-    elif temperature > 0:
-        name += f"-temp{temperature:g}" + (f"-top{top_k}" if top_k else "") + f"-seed{seed}"
+    if settings.num_beams > 1:
+        name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
+    elif settings.samples:
+        top = f"-top{settings.top_k}" if settings.top_k else ""
+        name += f"-temp{settings.temperature:g}{top}-seed{settings.seed}"
     return f"{name}.jsonl"
 
 
@@ -157,12 +161,13 @@ def infer(
     that is not None. Returns the files written."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    decoding.check_settings(temperature, top_k, num_beams, model.config.vocab_size)
+    settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
+    settings.check(model.config.vocab_size)
     if num_examples is not None and num_examples < 1:
         raise UserError(
             f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
         )
-    input_length, target_length = data.model_lengths(task_feature_lengths)
+    input_length, target_length = pipeline.model_lengths(task_feature_lengths)
     if inputs:
         if isinstance(inputs, str):
             inputs = [inputs]
@@ -173,7 +178,7 @@ def infer(
         examples = _examples_from_texts(lines, model.vocabulary, input_length)
         source = os.path.splitext(os.path.basename(input_file))[0]
     elif mixture_or_task_name:
-        data.get_task(mixture_or_task_name, mixture_or_task_module)
+        registry.get_task(mixture_or_task_name, mixture_or_task_module)
         examples = _examples_from_task(
             mixture_or_task_name, split, task_feature_lengths, num_examples
         )
@@ -189,9 +194,7 @@ def infer(
     )
     batch_sharding = partitioner.batch_sharding()
     predict = partitioner.jit(
-        lambda p, b, rng: model.predict(
-            p, b, target_length, rng, temperature, top_k, num_beams, beam_alpha
-        ),
+        lambda p, b, rng: model.predict(p, b, target_length, rng, settings),
         in_shardings=(shardings, batch_sharding, partitioner.replicated()),
         out_shardings=partitioner.replicated(),  # every host holds all predictions
     )
@@ -205,16 +208,15 @@ def infer(
     for step in steps:
         checkpoints.check_geometry(mngr, step, params_shape)
     gin_setup.write_operative_config(model_dir, "infer_config.gin")
-    settings = (temperature, top_k, num_beams, beam_alpha, random_seed)
     inputs = [ex["input"] for ex in examples]
     written = []
     for step in steps:
         params = checkpoints.restore_params(mngr, step, params_shape, shardings)
         rng = jax.random.PRNGKey(random_seed)
         rows = []
-        for indices, batch in data.padded_batches(ds, batch_size):
+        for indices, batch in batches.padded_batches(ds, batch_size):
             rng, batch_rng = jax.random.split(rng)
-            out = predict(params, data.full_batch_to_global(batch, batch_sharding), batch_rng)
+            out = predict(params, batches.full_batch_to_global(batch, batch_sharding), batch_rng)
             for i, ids in zip(indices, np.asarray(jax.device_get(out)), strict=False):
                 ex = examples[i]
                 row = {"input": ex["input"], "prediction": model.vocabulary.decode(ids.tolist())}

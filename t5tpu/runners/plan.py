@@ -21,10 +21,12 @@ import time
 import gin
 import jax
 
-from t5tpu import compiled_memory, data, gin_setup, memory_plan, partitioning
+from t5tpu import gin_setup, partitioning
+from t5tpu.data import pipeline
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.model.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
+from t5tpu.planning import compiled_memory, memory_plan
 
 
 def _train_binding(name: str):
@@ -254,7 +256,7 @@ def plan(
 ) -> memory_plan.MemoryPlan:
     """Prints the memory plan of the configured training run (with `compile`, XLA's figures for
     the compiled step too); returns the estimate."""
-    lengths = data.model_lengths(_setting("task_feature_lengths", task_feature_lengths))
+    lengths = pipeline.model_lengths(_setting("task_feature_lengths", task_feature_lengths))
     work = memory_plan.Workload(
         int(_setting("batch_size", batch_size, 128)),
         *lengths,
@@ -290,7 +292,7 @@ def _compile(
 ) -> compiled_memory.CompiledMemory:
     import seqio
 
-    from t5tpu.model import EncoderDecoderModel
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
 
     topology = given.topology
     print(

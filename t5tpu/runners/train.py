@@ -28,12 +28,16 @@ import jax.numpy as jnp
 import numpy as np
 from clu import metric_writers
 
-from t5tpu import checkpoints, convert, data, gin_setup, trainer
+from t5tpu import gin_setup
+from t5tpu.data import availability, batches, pipeline, registry
 from t5tpu.errors import UserError
-from t5tpu.model import EncoderDecoderModel
+from t5tpu.formats import convert
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.preemption import PreemptionWatch
 from t5tpu.runners.evaluate import TaskEvaluator
+from t5tpu.storage import checkpoints
+from t5tpu.training import trainer
+from t5tpu.training.preemption import PreemptionWatch
 
 
 class Progress:
@@ -48,7 +52,7 @@ class Progress:
         self._examples = 0
 
     def add_examples(self, host_batch: dict) -> None:
-        self._examples += data.examples_in(host_batch) * self.num_shards
+        self._examples += batches.examples_in(host_batch) * self.num_shards
 
     def report(self, step: int, metrics: dict) -> dict:
         mark_step, mark_time = self._mark
@@ -151,11 +155,11 @@ def train(
     for name, period in (("SAVE_PERIOD", save_period), ("train.log_period", log_period)):
         if period < 1:
             raise UserError(f"{name}={period} must be at least 1 (steps between them)")
-    data.get_task(mixture_or_task_name, mixture_or_task_module)
-    data.check_readable(mixture_or_task_name, "train")
+    registry.get_task(mixture_or_task_name, mixture_or_task_module)
+    availability.check_readable(mixture_or_task_name, "train")
     if eval_period:
-        data.check_readable(mixture_or_task_name, eval_split, "EVAL_SPLIT")
-    lengths = data.model_lengths(task_feature_lengths)
+        availability.check_readable(mixture_or_task_name, eval_split, "EVAL_SPLIT")
+    lengths = pipeline.model_lengths(task_feature_lengths)
     # Steps count on from a pretrained checkpoint's step; the input stream starts at its first
     # batch there, and a resume skips only the batches used since.
     resume_point = checkpoints.resume_point(model_dir)
@@ -189,7 +193,7 @@ def train(
 
     step_fn = trainer.compile_train_step(model, optimizer, shardings, partitioner, num_microbatches)
     layout = partitioner.data_layout(batch_size)
-    batches = data.train_batches(
+    stream = pipeline.train_batches(
         mixture_or_task_name,
         task_feature_lengths,
         batch_size,
@@ -232,9 +236,9 @@ def train(
     )
     try:
         for step in range(first_step + 1, last_step + 1):
-            host_batch = next(batches)
+            host_batch = next(stream)
             progress.add_examples(host_batch)
-            batch = data.to_global(host_batch, partitioner.batch_sharding())
+            batch = batches.to_global(host_batch, partitioner.batch_sharding())
             state, metrics = step_fn(state, batch, dropout_seed)
             preempted = preemption.requested(step)
             save = step % save_period == 0 or step == last_step or preempted
@@ -246,7 +250,7 @@ def train(
                 checkpoints.save(
                     mngr, step, state.params, state.opt_state, checkpoint_dtype, initial_step
                 )
-                batches.save(checkpoints.input_position_path(mngr, step))
+                stream.save(checkpoints.input_position_path(mngr, step))
                 if config_pending:
                     keep = f"config_to_step_{first_step}.gin"
                     gin_setup.write_operative_config(model_dir, "config.gin", keep)

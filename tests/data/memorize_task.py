@@ -5,19 +5,19 @@
 """
 
 import itertools
-import os
 
 import seqio
 import tensorflow as tf
 
-from t5tpu import quora_data, vocab
+from t5tpu import package_files
+from t5tpu.data import quora_csv, vocab
 
-SAMPLE = os.path.join(os.path.dirname(quora_data.__file__), "assets", "quora_sample", "train.tsv")
+SAMPLE = package_files.asset("quora_sample", "train.tsv")
 NUM_PAIRS = 32
 
 
 def _pairs():
-    duplicates = (p for p in quora_data.read_pairs(SAMPLE) if p["is_duplicate"] == "1")
+    duplicates = (p for p in quora_csv.read_pairs(SAMPLE) if p["is_duplicate"] == "1")
     return [
         (p["question1"].lower(), p["question2"].lower())
         for p in itertools.islice(duplicates, NUM_PAIRS)

@@ -20,17 +20,18 @@ import gin
 import numpy as np
 import seqio
 import tensorflow as tf
-
-from t5tpu import quora_data
-from t5tpu.errors import UserError
 from t5tpu.tasks import metrics
+
+from t5tpu import package_files
+from t5tpu.data import quora_csv
+from t5tpu.errors import UserError
 
 TASK_NAME = "qp_is_duplicate"
 SIMILAR_TASK_NAME = "generate_similar_question"
 MIXTURE_NAME = "qp_all"
 TFDS_SUFFIX = "_tfds"
 TFDS_NAME = "glue/qqp:2.0.0"
-SAMPLE_DIR = os.path.join(os.path.dirname(os.path.dirname(__file__)), "assets", "quora_sample")
+SAMPLE_DIR = package_files.asset("quora_sample")
 SEPARATOR = "<SEP>"
 
 
@@ -62,7 +63,7 @@ def sample_path(split: str) -> str:
 
 
 def _count_pairs(split: str) -> int:
-    return sum(1 for _ in quora_data.read_pairs(sample_path(split)))
+    return sum(1 for _ in quora_csv.read_pairs(sample_path(split)))
 
 
 def quora_dataset(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
@@ -72,7 +73,7 @@ def quora_dataset(split: str, shuffle_files: bool, seed: int | None = None) -> t
     there are no files to shuffle, and the Task shuffles examples itself when asked.
     """
     del shuffle_files, seed
-    pairs = list(quora_data.read_pairs(sample_path(split)))
+    pairs = list(quora_csv.read_pairs(sample_path(split)))
     return tf.data.Dataset.from_tensor_slices(
         {
             "id": np.array([int(p["id"]) for p in pairs], dtype=np.int64),
@@ -84,7 +85,7 @@ def quora_dataset(split: str, shuffle_files: bool, seed: int | None = None) -> t
 
 
 def _sample_source() -> seqio.DataSource:
-    splits = quora_data.SPLITS
+    splits = quora_csv.SPLITS
     return seqio.FunctionDataSource(
         dataset_fn=quora_dataset,
         splits=splits,
@@ -94,11 +95,11 @@ def _sample_source() -> seqio.DataSource:
 
 def _prepared_source(data_dir: str) -> seqio.DataSource:
     """The TFRecord splits that `t5tpu prepare-quora` wrote into `data_dir`."""
-    stats_path = os.path.join(data_dir, quora_data.STATS_FILE)
+    stats_path = os.path.join(data_dir, quora_csv.STATS_FILE)
     # stats.json is renamed into place last, so its presence means the splits are complete.
     if not tf.io.gfile.exists(stats_path):
         raise UserError(
-            f"no prepared Quora data in {data_dir} ({quora_data.STATS_FILE} missing); run "
+            f"no prepared Quora data in {data_dir} ({quora_csv.STATS_FILE} missing); run "
             f"`t5tpu prepare-quora --input=train.csv --output_dir={data_dir}` or fix QUORA_DATA_DIR"
         )
     with tf.io.gfile.GFile(stats_path) as file:
@@ -111,9 +112,9 @@ def _prepared_source(data_dir: str) -> seqio.DataSource:
             ) from None
     return seqio.TFExampleDataSource(
         split_to_filepattern={
-            split: os.path.join(data_dir, name) for split, name in quora_data.OUTPUT_FILES.items()
+            split: os.path.join(data_dir, name) for split, name in quora_csv.OUTPUT_FILES.items()
         },
-        feature_description=quora_data.tfrecord_feature_description(),
+        feature_description=quora_csv.tfrecord_feature_description(),
         num_input_examples=num_pairs,
     )
 
@@ -126,7 +127,7 @@ def _pairs_source() -> seqio.DataSource:
 def _tfds_source() -> seqio.DataSource:
     # glue/qqp's test split has no labels (-1), so only train and validation are offered.
     return seqio.TfdsDataSource(
-        TFDS_NAME, tfds_data_dir=qqp_tfds_data_dir(), splits=quora_data.SPLITS
+        TFDS_NAME, tfds_data_dir=qqp_tfds_data_dir(), splits=quora_csv.SPLITS
     )
 
 

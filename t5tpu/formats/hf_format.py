@@ -25,9 +25,9 @@ import numpy as np
 import tensorflow as tf
 from flax import traverse_util
 
-from t5tpu import param_mapping
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.formats import param_mapping
+from t5tpu.model.network import T5Config
 
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "spiece.model"

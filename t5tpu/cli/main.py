@@ -12,7 +12,7 @@ import sys
 
 from absl import app, flags, logging
 
-from t5tpu import host_memory
+from t5tpu.cli import host_memory
 from t5tpu.errors import UserError, one_line_message
 
 # gin subcommands -> (module, runner function); gin supplies every argument.
@@ -24,9 +24,9 @@ RUNNERS = {
 }
 # Helper subcommands with their own argparse flags -> (module, function(argv) -> exit code).
 TOOLS = {
-    "prepare-quora": ("t5tpu.quora_data", "main"),
-    "convert": ("t5tpu.convert", "main"),
-    "bench": ("t5tpu.bench", "main"),
+    "prepare-quora": ("t5tpu.data.quora_csv", "main"),
+    "convert": ("t5tpu.formats.convert", "main"),
+    "bench": ("t5tpu.tools.bench", "main"),
 }
 USAGE = (
     f"usage: t5tpu {{{','.join(RUNNERS)}}} --gin_file=FILE [--gin.NAME=VALUE ...] | "

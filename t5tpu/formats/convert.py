@@ -24,18 +24,13 @@ import jax
 import orbax.checkpoint as ocp
 import tensorflow as tf
 
-from t5tpu import (
-    checkpoints,
-    gin_setup,
-    hf_format,
-    layer_stacking,
-    mesh_tf_format,
-    param_mapping,
-    t5x_format,
-    vocab,
-)
+from t5tpu import gin_setup, package_files
+from t5tpu.data import vocab
 from t5tpu.errors import ArgumentParser, UserError
-from t5tpu.network import T5Config
+from t5tpu.formats import hf_format, mesh_tf_format, param_mapping, t5x_format
+from t5tpu.model import layer_stacking
+from t5tpu.model.network import T5Config
+from t5tpu.storage import checkpoints
 
 IMPORTERS = {"hf": hf_format, "t5x": t5x_format, "mesh_tf": mesh_tf_format}
 MODEL_GIN = "model.gin"
@@ -285,7 +280,7 @@ def _gin_model(gin_files: list[str], shapes: dict[str, tuple]):
         return config, None, 0
     gin_setup.import_configurables()
     gin.clear_config()
-    for path in (".", gin_setup.PACKAGE_DIR):
+    for path in (".", package_files.config_search_path()):
         gin.add_config_file_search_path(path)
     try:
         gin.parse_config("DROPOUT_RATE = 0.0")  # model files use it; run files define it

@@ -25,9 +25,9 @@ import tensorflow as tf
 import tensorstore as ts
 from flax import serialization
 
-from t5tpu import param_mapping
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.formats import param_mapping
+from t5tpu.model.network import T5Config
 
 INDEX_FILE = "checkpoint"
 _TF_STATE_MAGIC = b"model_checkpoint_path"  # a TF checkpoint state file, also named `checkpoint`

@@ -19,8 +19,8 @@ import gin
 import jax
 import jax.numpy as jnp
 
-from t5tpu import layers
 from t5tpu.errors import UserError
+from t5tpu.model import layers
 
 Array = jax.Array
 # What each layer saves for the backward pass ('none': everything, no recomputation).

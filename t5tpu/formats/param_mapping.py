@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
-from t5tpu.checkpoints import flat_shapes, geometry_differences
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model.network import T5Config, Transformer
+from t5tpu.storage.checkpoints import flat_shapes, geometry_differences
 
 # Sublayers of a T5 block as the `t5` library and Hugging Face number and name them:
 # t5tpu module name -> (sublayer index, T5 module name).

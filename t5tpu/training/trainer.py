@@ -14,9 +14,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5tpu import optim
-from t5tpu.model import EncoderDecoderModel
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.training import optim
 
 
 @flax.struct.dataclass

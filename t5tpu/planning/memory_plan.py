@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from t5tpu import partitioning
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model.network import T5Config, Transformer
 
 GiB = partitioning.GiB
 

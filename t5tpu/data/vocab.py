@@ -13,15 +13,14 @@ import gin
 import seqio
 import tensorflow as tf
 
+from t5tpu import package_files
 from t5tpu.errors import UserError
-
-_BUNDLED_VOCABULARY = os.path.join(os.path.dirname(__file__), "assets", "cpu_vocab.model")
 
 
 @gin.configurable
 def bundled_vocabulary_file() -> str:
     """The absolute path of the small SentencePiece model shipped inside the package."""
-    return os.path.abspath(_BUNDLED_VOCABULARY)
+    return os.path.abspath(package_files.asset("cpu_vocab.model"))
 
 
 @gin.configurable

@@ -19,9 +19,9 @@ import re
 import numpy as np
 import tensorflow as tf
 
-from t5tpu import param_mapping
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config
+from t5tpu.formats import param_mapping
+from t5tpu.model.network import T5Config
 
 _TF_STATE_MAGIC = b"model_checkpoint_path"
 _STEP_VARIABLE = "global_step"

@@ -29,8 +29,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5tpu import layer_stacking
 from t5tpu.errors import UserError
+from t5tpu.model import layer_stacking
 
 STEP_PREFIX = "checkpoint"
 ITEMS = ("params", "opt_state")

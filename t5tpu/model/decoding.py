@@ -8,6 +8,7 @@ sampling), or extends every live hypothesis by one token (`beam_search`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import flax.linen as nn
@@ -19,30 +20,51 @@ from t5tpu.errors import UserError
 Array = jax.Array
 
 
-def check_settings(temperature: float, top_k: int, num_beams: int, vocab_size: int) -> None:
-    """Refuses decoding settings that would crash inside the compiled loop (TOP_K above the
-    vocabulary), decode nonsense (a negative TEMPERATURE flips the distribution), or be silently
-    ignored (beam search is deterministic, so it has no use for TEMPERATURE or TOP_K).
+@dataclasses.dataclass(frozen=True)
+class DecodingSettings:
+    """How to pick each next token: greedy (temperature 0), temperature / top-k sampling, or beam
+    search (num_beams > 1, length penalty beam_alpha). `seed` feeds sampling only. The gin
+    macros TEMPERATURE, TOP_K and NUM_BEAMS set these for eval and infer."""
 
-    TOP_K with TEMPERATURE 0 is allowed: greedy picks the most likely token, which is always
-    among the k most likely, so it is the limit of top-k sampling as the temperature goes to 0.
-    """
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise UserError(f"TEMPERATURE = {temperature!r} must be a number: 0.0 is greedy")
-    if not (math.isfinite(temperature) and temperature >= 0):
-        raise UserError(f"TEMPERATURE = {temperature} must be >= 0: 0.0 is greedy, above 0 samples")
-    if not 0 <= top_k <= vocab_size:
-        raise UserError(
-            f"TOP_K = {top_k} must be between 0 (no limit) and the vocabulary size {vocab_size}"
-        )
-    if num_beams < 1:
-        raise UserError(f"NUM_BEAMS = {num_beams} must be >= 1: 1 is greedy or sampling")
-    if num_beams > 1 and (temperature > 0 or top_k > 0):
-        raise UserError(
-            f"NUM_BEAMS = {num_beams} (beam search) does not sample, so TEMPERATURE = "
-            f"{temperature} and TOP_K = {top_k} would be ignored; choose one: NUM_BEAMS = 1 to "
-            "sample, or TEMPERATURE = 0.0 and TOP_K = 0 for beam search"
-        )
+    temperature: float = 0.0
+    top_k: int = 0
+    num_beams: int = 1
+    beam_alpha: float = 0.6
+    seed: int = 0
+
+    @property
+    def samples(self) -> bool:
+        return self.num_beams == 1 and self.temperature > 0
+
+    def check(self, vocab_size: int) -> None:
+        """Refuses settings that would crash inside the compiled loop (TOP_K above the
+        vocabulary), decode nonsense (a negative TEMPERATURE flips the distribution), or be
+        silently ignored (beam search is deterministic, so it has no use for TEMPERATURE or
+        TOP_K).
+
+        TOP_K with TEMPERATURE 0 is allowed: greedy picks the most likely token, which is
+        always among the k most likely, so it is the limit of top-k sampling as the temperature
+        goes to 0.
+        """
+        temperature, top_k, num_beams = self.temperature, self.top_k, self.num_beams
+        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+            raise UserError(f"TEMPERATURE = {temperature!r} must be a number: 0.0 is greedy")
+        if not (math.isfinite(temperature) and temperature >= 0):
+            raise UserError(
+                f"TEMPERATURE = {temperature} must be >= 0: 0.0 is greedy, above 0 samples"
+            )
+        if not 0 <= top_k <= vocab_size:
+            raise UserError(
+                f"TOP_K = {top_k} must be between 0 (no limit) and the vocabulary size {vocab_size}"
+            )
+        if num_beams < 1:
+            raise UserError(f"NUM_BEAMS = {num_beams} must be >= 1: 1 is greedy or sampling")
+        if num_beams > 1 and (temperature > 0 or top_k > 0):
+            raise UserError(
+                f"NUM_BEAMS = {num_beams} (beam search) does not sample, so TEMPERATURE = "
+                f"{temperature} and TOP_K = {top_k} would be ignored; choose one: NUM_BEAMS = 1 "
+                "to sample, or TEMPERATURE = 0.0 and TOP_K = 0 for beam search"
+            )
 
 
 def _pick_next(logits: Array, rng: Array, temperature: float, top_k: int) -> Array:

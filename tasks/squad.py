@@ -44,9 +44,9 @@ import json
 import gin
 import seqio
 import tensorflow as tf
+from t5tpu.tasks import squad_metrics
 
 from t5tpu.errors import UserError
-from t5tpu.tasks import squad_metrics
 
 V1_TASK = "squad_v1"
 V2_TASK = "squad_v2"

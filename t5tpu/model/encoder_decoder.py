@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 import seqio
 
-from t5tpu import decoding
 from t5tpu.errors import UserError
-from t5tpu.network import T5Config, Transformer
+from t5tpu.model import decoding
+from t5tpu.model.network import T5Config, Transformer
 
 Array = jax.Array
 
@@ -36,6 +36,9 @@ def cross_entropy(
         nll = (confidence - low) * nll + low * vocab * mean_nll - entropy
     z_term = z_loss * jnp.square(log_z)
     return nll + z_term, z_term
+
+
+GREEDY = decoding.DecodingSettings()
 
 
 @gin.configurable
@@ -125,22 +128,19 @@ class EncoderDecoderModel:
         batch,
         max_decode_length: int,
         rng=None,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        num_beams: int = 1,
-        alpha: float = 0.6,
+        settings: decoding.DecodingSettings = GREEDY,
     ) -> Array:
-        """[batch, max_decode_length] token ids, each row ending at its EOS. num_beams > 1: beam
-        search with length penalty `alpha` (temperature and top_k are then unused)."""
-        if num_beams > 1:
+        """[batch, max_decode_length] token ids, each row ending at its EOS: greedy, sampled
+        (`rng` then required) or beam search, as `settings` say."""
+        if settings.num_beams > 1:
             return decoding.beam_search(
                 self.module,
                 params,
                 batch["encoder_input_tokens"],
                 max_decode_length,
                 self.vocabulary.eos_id,
-                num_beams,
-                alpha,
+                settings.num_beams,
+                settings.beam_alpha,
             )[0]
         return decoding.decode(
             self.module,
@@ -149,6 +149,6 @@ class EncoderDecoderModel:
             max_decode_length,
             self.vocabulary.eos_id,
             rng,
-            temperature,
-            top_k,
+            settings.temperature,
+            settings.top_k,
         )

@@ -5,9 +5,9 @@ parsed, so every task is built with the vocabulary that the run's gin files bind
 """
 
 import seqio
-
-from t5tpu import vocab
 from t5tpu.tasks import quora, squad
+
+from t5tpu.data import vocab
 
 # Each module here exposes register(vocabulary) returning what it registered: one seqio Task or
 # Mixture, or a list of them or of their names.

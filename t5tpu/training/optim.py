@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5tpu.layer_stacking import LAYERS
+from t5tpu.model.layer_stacking import LAYERS
 
 
 class Optimizer(NamedTuple):

@@ -45,7 +45,7 @@ OURS = "t5tpu"
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    from t5tpu.main import rewrite_gin_shorthand
+    from t5tpu.cli.main import rewrite_gin_shorthand
 
     p = ArgumentParser(prog="t5tpu bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--gin_file", action="append", default=[], help="model gin file(s)")
@@ -102,8 +102,8 @@ def build_model(args):
     import seqio
 
     from t5tpu import gin_setup
-    from t5tpu.model import EncoderDecoderModel
-    from t5tpu.network import T5Config
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.model.network import T5Config
 
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
     # Model files leave DROPOUT_RATE to the run files; the benchmark sets dropout from its flag.
@@ -239,8 +239,9 @@ def peak_matmul_flops(dtype, size: int, steps: int = 5) -> float:
 
 
 def bench_train(model, args, batch, peak: float) -> Workload:
-    from t5tpu import data, optim, trainer
+    from t5tpu.data import batches
     from t5tpu.partitioning import Partitioner
+    from t5tpu.training import optim, trainer
 
     optimizer = optim.adamw(1e-4) if args.optimizer == "adamw" else optim.adafactor(1e-3)
     partitioner = Partitioner()
@@ -250,7 +251,7 @@ def bench_train(model, args, batch, peak: float) -> Workload:
         lambda rng: trainer.initial_state(model, optimizer, rng, *lengths), out_shardings=shardings
     )(jax.random.PRNGKey(args.seed))
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
-    batch = data.to_global(batch, partitioner.batch_sharding())
+    batch = batches.to_global(batch, partitioner.batch_sharding())
     seed = jax.random.PRNGKey(1)
     compiled, compile_s, cost = compile_seconds(step, state, batch, seed)
     flops = 3.0 * forward_flops(model.config, args.batch_size, *lengths)
@@ -292,7 +293,7 @@ def bench_score(model, args, batch) -> Workload:
 
 
 def bench_decode(model, args, inputs: np.ndarray, num_beams: int) -> Workload:
-    from t5tpu import decoding
+    from t5tpu.model import decoding
 
     params = _random_params(model, args)
     length = args.decode_length
@@ -322,17 +323,17 @@ def bench_pipeline(args) -> dict:
     """Examples/s from a real task's seqio training stream, after its first batch."""
     import gin
 
-    from t5tpu import data
+    from t5tpu.data import pipeline, registry
 
     if args.pipeline_vocabulary == "bundled":
         gin.bind_parameter("default_vocabulary.sentencepiece_model_file", None)
     lengths = {"inputs": args.input_length, "targets": args.target_length}
-    data.get_task(args.pipeline_task)
-    batches = data.train_batches(args.pipeline_task, lengths, args.batch_size, args.seed, False)
-    next(batches)
+    registry.get_task(args.pipeline_task)
+    stream = pipeline.train_batches(args.pipeline_task, lengths, args.batch_size, args.seed, False)
+    next(stream)
     start = time.perf_counter()
     for _ in range(args.pipeline_batches):
-        next(batches)
+        next(stream)
     seconds = time.perf_counter() - start
     return {
         "task": args.pipeline_task,

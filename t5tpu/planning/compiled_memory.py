@@ -20,10 +20,11 @@ import resource
 import jax
 import jax.numpy as jnp
 
-from t5tpu import data, trainer
+from t5tpu.data import pipeline
 from t5tpu.errors import UserError
-from t5tpu.memory_plan import Workload
 from t5tpu.partitioning import Partitioner, Topology
+from t5tpu.planning.memory_plan import Workload
+from t5tpu.training import trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def train_step_memory(
     step = trainer.compile_train_step(
         model, optimizer, shardings, partitioner, work.num_microbatches
     )
-    features = data.feature_converter(pack).get_model_feature_lengths(
+    features = pipeline.feature_converter(pack).get_model_feature_lengths(
         {"inputs": work.input_length, "targets": work.target_length}
     )
     batch = {

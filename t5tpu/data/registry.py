@@ -1,0 +1,51 @@
+"""Which seqio task or mixture a run uses: t5tpu's own (the top-level tasks/ directory, installed
+as `t5tpu.tasks`) and the user's module (MIXTURE_OR_TASK_MODULE), looked up by name."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+
+import seqio
+
+from t5tpu.errors import UserError
+
+
+def import_task_module(module: str) -> None:
+    """Imports a user module that registers seqio tasks: a dotted module name or a .py path."""
+    if module.endswith(".py"):
+        if not os.path.exists(module):
+            raise UserError(f"task module file not found: {module}; fix MIXTURE_OR_TASK_MODULE")
+        spec = importlib.util.spec_from_file_location(os.path.basename(module)[:-3], module)
+        loaded = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(loaded)
+        return
+    try:
+        importlib.import_module(module)
+    except ModuleNotFoundError as e:
+        raise UserError(
+            f"cannot import task module {module!r} ({e}); set MIXTURE_OR_TASK_MODULE to an "
+            "importable module or a .py file that registers your seqio tasks"
+        ) from None
+
+
+def get_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture:
+    """The registered task or mixture `name`, after registering t5tpu's own and `module`'s."""
+    from t5tpu import tasks  # registers with the gin-bound vocabulary, so only after parsing
+
+    tasks.register_builtin_tasks()
+    if module:
+        import_task_module(module)
+    known = ", ".join(sorted(set(seqio.TaskRegistry.names()) | set(seqio.MixtureRegistry.names())))
+    # None when an experiment leaves it unset: infer.gin's default (inference needs no task
+    # when given texts), included after finetune.gin and eval.gin, replaces their REQUIRED.
+    if not name:
+        raise UserError(f"MIXTURE_OR_TASK_NAME is not set; set it to one of: {known}")
+    try:
+        return seqio.get_mixture_or_task(name)
+    except ValueError:
+        raise UserError(
+            f"unknown task or mixture {name!r}; known: {known}. Set MIXTURE_OR_TASK_NAME, and "
+            "MIXTURE_OR_TASK_MODULE to the module that registers it"
+        ) from None

@@ -1,0 +1,1 @@
+"""Pretrained weights in and out: Hugging Face, T5X and Mesh TF checkpoints."""

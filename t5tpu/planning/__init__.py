@@ -1,0 +1,1 @@
+"""Per-device memory of a training step: estimated without allocating, and as XLA compiles it."""

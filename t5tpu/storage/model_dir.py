@@ -1,0 +1,81 @@
+"""The layout of MODEL_DIR: the one place that names every file and folder a run writes there.
+
+    MODEL_DIR/
+      checkpoint_<step>/             orbax checkpoint: params/, opt_state/, input_position/
+      checkpoint_<step>.incomplete/  a damaged checkpoint moved aside when its step is saved again
+      config.gin                     operative config of the training run
+      config_to_step_<step>.gin      an earlier training config, kept when a resume changed it
+      eval_config.gin, infer_config.gin
+      model.gin                      the model's geometry (written by `t5tpu convert`)
+      train/, eval/, eval_<split>/   TensorBoard events
+      eval_metrics.json, eval_<split>_metrics.json
+      inference/<source>-<step>.jsonl
+
+Runners, the checkpoint code and the tools build paths with these functions rather than
+spelling the names, so the layout can be read (and changed) here.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+STEP_PREFIX = "checkpoint"  # checkpoint_<step>, as T5X names them
+INCOMPLETE_SUFFIX = ".incomplete"
+TRAIN_CONFIG = "config.gin"
+EVAL_CONFIG = "eval_config.gin"
+INFER_CONFIG = "infer_config.gin"
+MODEL_GIN = "model.gin"
+TRAIN_SUMMARIES = "train"
+INFERENCE = "inference"
+INPUT_POSITION = "input_position"
+
+_STEP_DIR = re.compile(rf"{STEP_PREFIX}_(\d+)")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{STEP_PREFIX}_{step}"
+
+
+def checkpoint_dir(model_dir: str, step: int) -> str:
+    return os.path.join(model_dir, checkpoint_name(step))
+
+
+def step_of(path: str) -> int | None:
+    """The step of a checkpoint_<step> directory path (a trailing slash allowed), else None."""
+    match = _STEP_DIR.fullmatch(os.path.basename(path.rstrip("/")))
+    return int(match.group(1)) if match else None
+
+
+def input_position(checkpoint: str, process_index: int) -> str:
+    """Where one training process keeps its input stream's position inside a checkpoint, so the
+    position goes when orbax deletes that checkpoint."""
+    return os.path.join(checkpoint, INPUT_POSITION, f"process_{process_index}")
+
+
+def kept_train_config(first_step: int) -> str:
+    """The name an earlier training config is kept under when a resume at `first_step` changes
+    the settings."""
+    return f"config_to_step_{first_step}.gin"
+
+
+def eval_run(split: str) -> str:
+    """'eval' for the validation split, else 'eval_<split>': names its TensorBoard directory
+    and metrics file, so a quick look at another split never replaces validation results."""
+    return "eval" if split == "validation" else f"eval_{split}"
+
+
+def eval_summaries(model_dir: str, split: str) -> str:
+    return os.path.join(model_dir, eval_run(split))
+
+
+def eval_metrics(model_dir: str, split: str) -> str:
+    return os.path.join(model_dir, f"{eval_run(split)}_metrics.json")
+
+
+def train_summaries(model_dir: str) -> str:
+    return os.path.join(model_dir, TRAIN_SUMMARIES)
+
+
+def inference_dir(model_dir: str) -> str:
+    return os.path.join(model_dir, INFERENCE)

@@ -1,0 +1,1 @@
+"""Helper commands that parse their own flags: the benchmark, Quora data preparation."""

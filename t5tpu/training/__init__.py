@@ -1,0 +1,1 @@
+"""The train state and step, optimizers, and preemption handling."""
