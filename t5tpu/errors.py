@@ -1,10 +1,9 @@
 """Errors that t5tpu reports to the user without a traceback."""
 
-import argparse
-
 
 class UserError(Exception):
-    """An error the user caused and can fix; main.py prints its message as one line and exits 2.
+    """An error the user caused and can fix; the command line prints its message as one line
+    and exits 2.
 
     The message must say what is wrong and what to do about it.
     """
@@ -18,11 +17,3 @@ def one_line_message(error: Exception) -> str:
     """
     lines = str(error).splitlines()
     return lines[0] if lines else type(error).__name__
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """The tools' flag parser: a bad or missing flag is a UserError (one line, exit 2) like the
-    rest of the command line, not argparse's usage block."""
-
-    def error(self, message: str):
-        raise UserError(f"{message}; see {self.prog} --help")

@@ -37,6 +37,7 @@ LONGEST_FIRST = (
     "test_quora_cli.py",
     "test_multihost.py",
     "test_infer_inputs.py",
+    "test_install.py",  # ~40 s: a wheel, a fresh environment, plan/train/infer twice
 )
 
 

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5tpu.tools import bench
+from t5tpu.tools import bench, bench_hf, bench_timing, bench_workloads
 
 TINY = "configs/models/t5_1_1/tiny.gin"
 SHAPE = ["--batch_size=2", "--input_length=16", "--target_length=8", "--decode_length=6"]
@@ -59,9 +59,9 @@ def test_every_workload_reports_against_hf(capsys, tmp_path):
 
 def test_hf_reference_has_our_geometry():
     args = bench.parse_args([f"--gin_file={TINY}"])
-    model = bench.build_model(args)
-    ours = sum(np.size(p) for p in jax.tree.leaves(bench._random_params(model, args)))
-    theirs = sum(p.numel() for p in bench.hf_model(model.config, "float32").parameters())
+    model = bench_workloads.build_model(args)
+    ours = sum(np.size(p) for p in jax.tree.leaves(bench_workloads._random_params(model, args)))
+    theirs = sum(p.numel() for p in bench_hf.hf_model(model.config, "float32").parameters())
     assert theirs == ours == 1_050_368
 
 
@@ -71,12 +71,14 @@ def test_forward_flops_match_xla_count():
     args = bench.parse_args(
         [f"--gin_file={TINY}", "--batch_size=4", "--input_length=64", "--target_length=32"]
     )
-    model = bench.build_model(args)
-    batch = bench.random_batch(np.random.default_rng(0), 4, 64, 32, model.config.vocab_size)
+    model = bench_workloads.build_model(args)
+    batch = bench_workloads.random_batch(
+        np.random.default_rng(0), 4, 64, 32, model.config.vocab_size
+    )
     features = {k: jnp.asarray(v) for k, v in batch.items()}
-    params = bench._random_params(model, args)
-    _, _, cost = bench.compile_seconds(jax.jit(model.score), params, features)
-    analytic = bench.forward_flops(model.config, 4, 64, 32)
+    params = bench_workloads._random_params(model, args)
+    _, _, cost = bench_timing.compile_seconds(jax.jit(model.score), params, features)
+    analytic = bench_workloads.forward_flops(model.config, 4, 64, 32)
     assert analytic == pytest.approx(cost["flops"], rel=0.05)  # measured: 0.98
 
 

@@ -1,27 +1,18 @@
 """The t5tpu command line, end to end: train -> eval -> infer through the real runners, and the
 contract for bad input (one line on stderr, exit code 2, nothing already written changed)."""
 
-import hashlib
 import json
 import os
 import pathlib
 import shutil
 import subprocess
-import sys
 
 import pytest
+from cli_runs import ROOT, cli_command, file_digests, t5tpu
+from cli_runs import TINY_EXPERIMENT as EXPERIMENT
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 MEMORIZE_TASK = os.path.join(ROOT, "tests", "data", "memorize_task.py")
 STEPS = 200
-
-
-def t5tpu(*args, model_dir=None):
-    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
-    if model_dir:
-        cmd.append(f"--gin.MODEL_DIR='{model_dir}'")
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
 
 
 def memorize_flags(*extra):
@@ -126,7 +117,7 @@ def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_pat
     ) + [f"--gin.TRAIN_STEPS={STEPS}", f"--gin.MODEL_DIR='{run_dir}'"]
     with open(tmp_path / "stderr", "w") as stderr:
         follower = subprocess.Popen(
-            [sys.executable, "-m", "t5tpu.cli.main", "eval", *flags],
+            cli_command("eval", *flags),
             cwd=ROOT,
             stdout=subprocess.PIPE,
             stderr=stderr,
@@ -173,16 +164,7 @@ def test_rerun_of_finished_training_changes_nothing(trained_dir):
 
 def _digest(model_dir):
     """sha256 of every file under model_dir (but TensorBoard events, appended by design)."""
-    digests = {}
-    for folder, _, files in os.walk(model_dir):
-        for name in files:
-            if name.startswith("events.out"):
-                continue
-            path = os.path.join(folder, name)
-            digests[os.path.relpath(path, model_dir)] = hashlib.sha256(
-                pathlib.Path(path).read_bytes()
-            ).hexdigest()
-    return digests
+    return file_digests(model_dir, skip_prefixes=("events.out",))
 
 
 BAD_INPUTS = {

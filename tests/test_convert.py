@@ -7,14 +7,14 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_runs import TINY_EXPERIMENT as EXPERIMENT
+from cli_runs import file_digests, t5tpu
 from flax import traverse_util
 from test_t5x_format import STEP as T5X_STEP
 from test_t5x_format import expected_values, write_t5x_checkpoint
@@ -24,9 +24,8 @@ from t5tpu.errors import UserError
 from t5tpu.formats import convert, hf_format, param_mapping
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
+from t5tpu.tools import convert as convert_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 # Tiny T5 1.1 whose vocabulary is the bundled 1,024-piece model, so the Quora experiment runs.
 CONFIG = T5Config(
     vocab_size=1024,
@@ -37,11 +36,6 @@ CONFIG = T5Config(
     num_encoder_layers=2,
     num_decoder_layers=2,
 )
-
-
-def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
 
 
 def _params(config: T5Config, seed: int = 0):
@@ -129,7 +123,7 @@ def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_p
     _assert_same(_restore(str(tmp_path), 1, CONFIG), _restore(converted, 0, CONFIG))
     # The run's MODEL_DIR exports too: its config.gin says what the shapes cannot.
     output = tmp_path / "hf"
-    assert convert.main(["--to=hf", f"--input={tmp_path}", f"--output_dir={output}"]) == 0
+    assert convert_command.main(["--to=hf", f"--input={tmp_path}", f"--output_dir={output}"]) == 0
     for name in ("model.safetensors", "spiece.model"):
         original = pathlib.Path(hf_dir[0], name).read_bytes()
         assert (output / name).read_bytes() == original, name
@@ -144,7 +138,7 @@ def test_export_to_hf_gives_back_the_same_directory(hf_dir, converted, tmp_path)
     directory, _ = hf_dir
     output = str(tmp_path / "hf")
     args = ["--to=hf", f"--input={converted}/checkpoint_0", f"--output_dir={output}"]
-    assert convert.main(args) == 0
+    assert convert_command.main(args) == 0
     for name in ("model.safetensors", "config.json", "spiece.model", "tokenizer_config.json"):
         original = pathlib.Path(directory, name).read_bytes()
         assert pathlib.Path(output, name).read_bytes() == original, name
@@ -152,18 +146,17 @@ def test_export_to_hf_gives_back_the_same_directory(hf_dir, converted, tmp_path)
 
 def test_existing_output_is_kept_without_overwrite(hf_dir, converted):
     directory, _ = hf_dir
-    before = {p: p.read_bytes() for p in pathlib.Path(converted).rglob("*") if p.is_file()}
+    before = file_digests(converted)
     with pytest.raises(UserError, match="already exists and is not empty; pass --overwrite"):
-        convert.main([f"--input={directory}", f"--output_dir={converted}"])
-    after = {p: p.read_bytes() for p in pathlib.Path(converted).rglob("*") if p.is_file()}
-    assert after == before
+        convert_command.main([f"--input={directory}", f"--output_dir={converted}"])
+    assert file_digests(converted) == before
 
 
 def test_overwrite_replaces_the_output(hf_dir, tmp_path):
     directory, params = hf_dir
     (tmp_path / "stale.txt").write_text("old")
     args = ["--from=hf", f"--input={directory}", f"--output_dir={tmp_path}", "--overwrite"]
-    assert convert.main(args) == 0
+    assert convert_command.main(args) == 0
     assert not (tmp_path / "stale.txt").exists()
     _assert_same(_restore(str(tmp_path), 0, CONFIG), params)
 
@@ -171,18 +164,18 @@ def test_overwrite_replaces_the_output(hf_dir, tmp_path):
 def test_bad_input_fails_before_anything_is_written(tmp_path):
     output = tmp_path / "out"
     with pytest.raises(UserError, match="is not a checkpoint t5tpu reads"):
-        convert.main([f"--input={tmp_path}", f"--output_dir={output}"])
+        convert_command.main([f"--input={tmp_path}", f"--output_dir={output}"])
     with pytest.raises(UserError, match="no config.json"):
-        convert.main(["--from=hf", f"--input={tmp_path}", f"--output_dir={output}"])
+        convert_command.main(["--from=hf", f"--input={tmp_path}", f"--output_dir={output}"])
     bad = tmp_path / "bad"
     bad.mkdir()
     (bad / "config.json").write_text(json.dumps({"model_type": "t5", "d_model": 8}))
     with pytest.raises(UserError, match="lacks vocab_size"):
-        convert.main(["--from=hf", f"--input={bad}", f"--output_dir={output}"])
+        convert_command.main(["--from=hf", f"--input={bad}", f"--output_dir={output}"])
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(UserError, match="holds no t5tpu checkpoint; give a MODEL_DIR or its"):
-        convert.main(["--to=hf", f"--input={empty}", f"--output_dir={output}"])
+        convert_command.main(["--to=hf", f"--input={empty}", f"--output_dir={output}"])
     assert not output.exists()
 
 
@@ -192,7 +185,7 @@ def test_t5x_checkpoint_converts_with_its_step(tmp_path):
     flat = traverse_util.flatten_dict(_params(config, seed=1), sep="/")
     source = write_t5x_checkpoint(str(tmp_path / "t5x"), flat, T5X_STEP)
     output = str(tmp_path / "out")
-    assert convert.main([f"--input={source}", f"--output_dir={output}"]) == 0
+    assert convert_command.main([f"--input={source}", f"--output_dir={output}"]) == 0
     expected = traverse_util.unflatten_dict(expected_values(flat), sep="/")
     _assert_same(_restore(output, T5X_STEP, config), expected)
     text = pathlib.Path(output, "model.gin").read_text()

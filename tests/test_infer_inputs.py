@@ -4,13 +4,13 @@ read (eval and train too), INFER_NUM_EXAMPLES, NUM_BEAMS, and decoding settings
 trained for two steps: these tests check what is read and refused, not what the model predicts."""
 
 import json
-import os
 import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
+from cli_runs import TINY_EXPERIMENT as EXPERIMENT
+from cli_runs import quick_training, succeeded, t5tpu
+from cli_runs import read_jsonl as read_rows
 
 from t5tpu import package_files
 from t5tpu.errors import UserError
@@ -18,31 +18,17 @@ from t5tpu.model import decoding
 from t5tpu.model.decoding import DecodingSettings
 from t5tpu.runners.infer import _file_name, _own_file
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 RUNS = package_files.configs_dir("runs")
 STEPS = 2
 VALIDATION_PAIRS = 105  # the bundled sample's validation split
 
 
-def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """The tiny Quora experiment, trained for two steps (a checkpoint to decode with)."""
+    """The tiny Quora experiment, trained for two steps (a checkpoint to decode with). Module
+    scoped, not shared with other files: these tests write predictions and configs into it."""
     path = tmp_path_factory.mktemp("quora_model")
-    run = t5tpu(
-        "train",
-        f"--gin_file={EXPERIMENT}",
-        f"--gin.MODEL_DIR='{path}'",
-        f"--gin.TRAIN_STEPS={STEPS}",
-        "--gin.BATCH_SIZE=8",
-        f"--gin.SAVE_PERIOD={STEPS}",
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    succeeded(t5tpu("train", f"--gin_file={EXPERIMENT}", *quick_training(STEPS), model_dir=path))
     return path
 
 
@@ -60,10 +46,6 @@ def refused(run) -> str:
     assert run.returncode == 2 and len(lines) == 1, (run.returncode, run.stderr[-2000:])
     assert lines[0].startswith("t5tpu: error: ")
     return lines[0]
-
-
-def read_rows(path):
-    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
 
 
 # --- DecodingSettings.check ------------------------------------------------------------------

@@ -11,24 +11,24 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 
 import numpy as np
 import pytest
+from cli_runs import (
+    ROOT,
+    TINY_EXPERIMENT,
+    TINY_GEOMETRY,
+    cli_command,
+    free_port,
+    run_together,
+    succeeded,
+)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 XLA_FAST = "--xla_backend_optimization_level=0"  # compile faster; memory and numerics unchanged
 MESHES = (1, 2, 4, 8)  # model-parallel degrees: 8x1, 4x2, 2x4, 1x8
 TRAIN_PARTITIONS = 2  # train on the 4x2 mesh: 'data' across processes, 'model' inside one
 GLOBAL_BATCH = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
 
 
 def _env(devices: int) -> dict:
@@ -38,24 +38,15 @@ def _env(devices: int) -> dict:
 
 
 def _run_workers(out_dir: str, processes: int, restore_from: str) -> list:
-    port = _free_port()
+    port = free_port()
     this = os.path.abspath(__file__)
-    running = [
-        subprocess.Popen(
-            [sys.executable, this, out_dir, str(processes), str(pid), str(port), restore_from],
-            cwd=ROOT,
-            env=_env(8 // processes),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in range(processes)
-    ]
-    done = []
-    for proc in running:
-        stdout, stderr = proc.communicate(timeout=600)
-        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
-    return done
+    return run_together(
+        [
+            [sys.executable, this, out_dir, str(processes), str(pid), str(port), restore_from]
+            for pid in range(processes)
+        ],
+        env=_env(8 // processes),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -133,46 +124,29 @@ def _tiny_model():
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.model.network import T5Config
 
-    config = T5Config(
-        vocab_size=1024,
-        emb_dim=128,
-        num_heads=4,
-        head_dim=32,
-        mlp_dim=256,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-    )
+    config = T5Config(**TINY_GEOMETRY)
     return EncoderDecoderModel(config, vocab.default_vocabulary(vocab.bundled_vocabulary_file()))
 
 
 def _cli_on_two_processes(command: str, model_dir: str, *flags: str) -> list[str]:
     """stdout of `t5tpu COMMAND` run as two processes of 2 fake devices, as off Cloud TPU."""
-    port = _free_port()
-    running = [
-        subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "t5tpu.cli.main",
+    port = free_port()
+    runs = run_together(
+        [
+            cli_command(
                 command,
                 f"--coordinator_address=localhost:{port}",
-            ]
-            + ["--num_processes=2", f"--process_id={pid}", f"--gin.MODEL_DIR='{model_dir}'"]
-            + ["--gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin", *flags],
-            cwd=ROOT,
-            env=_env(2),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for pid in range(2)
-    ]
-    outputs = []
-    for proc in running:
-        stdout, stderr = proc.communicate(timeout=600)
-        assert proc.returncode == 0, stderr[-3000:]
-        outputs.append(stdout)
-    return outputs
+                "--num_processes=2",
+                f"--process_id={pid}",
+                f"--gin.MODEL_DIR='{model_dir}'",
+                f"--gin_file={TINY_EXPERIMENT}",
+                *flags,
+            )
+            for pid in range(2)
+        ],
+        env=_env(2),
+    )
+    return [succeeded(run).stdout for run in runs]
 
 
 def test_cli_on_two_processes_trains_evaluates_and_infers(tmp_path):

@@ -422,7 +422,8 @@ def test_every_tpu_topology_names_a_slice_libtpu_knows():
     )
     code = (
         "import gin, sys\n"
-        "from t5tpu import compiled_memory, gin_setup, partitioning\n"
+        "from t5tpu import gin_setup, partitioning\n"
+        "from t5tpu.planning import compiled_memory\n"
         "for name in sys.argv[1:]:\n"
         "    gin.clear_config()\n"
         "    gin_setup.parse([f'configs/topologies/{name}.gin'], [], [])\n"
@@ -497,7 +498,7 @@ def test_docs_table_matches_the_plans():
         row = rows[(size, topology, task)]
         assert f"| {activations:.2f} | **{peak:.2f}** |" in row, (name, row)
         assert ("| yes |" in row) == plan.fits, (name, row)
-        with open(os.path.join(ROOT, "t5tpu", path)) as f:
+        with open(os.path.join(package_files.config_search_path(), path)) as f:
             assert f"peak {peak:.2f} GiB of" in f.read(), name
 
 

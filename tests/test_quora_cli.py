@@ -5,26 +5,15 @@ every stage runs and writes its files, not what the model learns."""
 
 import json
 import os
-import pathlib
-import subprocess
-import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KAGGLE_CSV = os.path.join(ROOT, "..", "shared", "data", "quora", "kaggle_train_head999.csv")
+from cli_runs import SHARED_DATA, quick_training, read_json, t5tpu
+
+KAGGLE_CSV = os.path.join(SHARED_DATA, "quora", "kaggle_train_head999.csv")
 QP_ALL = "configs/experiments/qp_all_tiny_cpu.gin"
 SIMILAR = "configs/experiments/generate_similar_question_tiny_cpu.gin"
 STEPS = 4
 # Small batches and few steps keep each command to its start-up and compile time.
-QUICK = [f"--gin.TRAIN_STEPS={STEPS}", "--gin.BATCH_SIZE=8", f"--gin.SAVE_PERIOD={STEPS}"]
-
-
-def t5tpu(*args):
-    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
-
-
-def read_json(path):
-    return json.loads(pathlib.Path(path).read_text())
+QUICK = quick_training(STEPS)
 
 
 def test_train_on_the_mixture_then_evaluate_one_task(tmp_path):

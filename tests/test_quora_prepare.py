@@ -1,5 +1,5 @@
-"""`t5tpu prepare-quora` (t5tpu.data.quora_csv.prepare / main): real files, hostile rows, overwrite
-refusal, atomic output and byte-for-byte determinism."""
+"""`t5tpu prepare-quora` (t5tpu.data.quora_csv.prepare, t5tpu.tools.prepare_quora.main): real
+files, hostile rows, overwrite refusal, atomic output and byte-for-byte determinism."""
 
 import hashlib
 import json
@@ -11,6 +11,7 @@ from t5tpu.tasks import quora
 
 from t5tpu.data import quora_csv
 from t5tpu.errors import UserError
+from t5tpu.tools import prepare_quora
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_QUORA = os.path.join(PROJECT_ROOT, "..", "shared", "data", "quora")
@@ -124,7 +125,7 @@ def test_release_tsv_keeps_the_quoted_newline(tmp_path):
 
 
 def test_hostile_rows_are_counted_and_reported_by_line(hostile_csv, tmp_path, capsys):
-    assert quora_csv.main([f"--input={hostile_csv}", f"--output_dir={tmp_path}"]) == 0
+    assert prepare_quora.main([f"--input={hostile_csv}", f"--output_dir={tmp_path}"]) == 0
     stats = read_stats(tmp_path)
     assert stats["pairs"] == {"train": 3, "validation": 1}
     assert stats["duplicates"] == {"train": 2, "validation": 0}

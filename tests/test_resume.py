@@ -8,17 +8,16 @@ import random
 import shutil
 import signal
 import subprocess
-import sys
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, succeeded, t5tpu
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 16
 FLAGS = [
-    "--gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin",
+    f"--gin_file={TINY_EXPERIMENT}",
     f"--gin.TRAIN_STEPS={STEPS}",
     "--gin.BATCH_SIZE=8",
     "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 4}",
@@ -30,23 +29,11 @@ FLAGS = [
 
 
 def command(model_dir, *extra):
-    return [
-        sys.executable,
-        "-m",
-        "t5tpu.cli.main",
-        "train",
-        *FLAGS,
-        *extra,
-        f"--gin.MODEL_DIR='{model_dir}'",
-    ]
+    return cli_command("train", *FLAGS, *extra, f"--gin.MODEL_DIR='{model_dir}'")
 
 
 def train(model_dir, *extra):
-    run = subprocess.run(
-        command(model_dir, *extra), cwd=ROOT, capture_output=True, text=True, timeout=600
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
+    return succeeded(t5tpu("train", *FLAGS, *extra, model_dir=model_dir, timeout=600))
 
 
 def interrupt(model_dir, at_step, sig, stderr=subprocess.DEVNULL):
@@ -182,16 +169,10 @@ def test_nan_loss_stops_with_exit_2_and_saves_nothing(tmp_path):
     train(model_dir, "--gin.TRAIN_STEPS=4")
     before = sorted(os.listdir(model_dir))
     # A learning rate of 1e30 blows the parameters up within a step or two.
-    run = subprocess.run(
-        command(model_dir, "--gin.LEARNING_RATE=1e30"),
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    run = t5tpu("train", *FLAGS, "--gin.LEARNING_RATE=1e30", model_dir=model_dir, timeout=600)
     assert run.returncode == 2, run.stderr[-2000:]
     lines = [line for line in run.stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and "loss is nan" in lines[0] or "loss is inf" in lines[0], lines
+    assert len(lines) == 1 and ("loss is nan" in lines[0] or "loss is inf" in lines[0]), lines
     assert sorted(os.listdir(model_dir)) == before  # no checkpoint after step 4 was written
 
 

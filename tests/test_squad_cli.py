@@ -4,14 +4,12 @@ decoding, postprocessing and the metric together."""
 
 import json
 import os
-import pathlib
-import subprocess
-import sys
 
+import cli_runs
 import pytest
+from cli_runs import SHARED_DATA, quick_training, read_json, succeeded
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SQUAD_DIR = os.path.join(ROOT, "..", "shared", "data", "squad")
+SQUAD_DIR = os.path.join(SHARED_DATA, "squad")
 V1_FILE = os.path.join(SQUAD_DIR, "dev-v1.1.json")
 V2_FILE = os.path.join(SQUAD_DIR, "dev-v2.0-cs224n-part-a.json")
 
@@ -24,14 +22,8 @@ EM_THRESHOLD = 80.0
 
 
 def t5tpu(*args, model_dir):
-    cmd = [sys.executable, "-m", "t5tpu.cli.main", *args, f"--gin.MODEL_DIR='{model_dir}'"]
-    run = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run
-
-
-def read_json(path):
-    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+    """Every t5tpu run here must succeed."""
+    return succeeded(cli_runs.t5tpu(*args, model_dir=model_dir))
 
 
 def short_context_questions(path):
@@ -97,15 +89,7 @@ def v2_model_dir(tmp_path_factory):
     """A few steps on the SQuAD v2.0 dev file (part A) as both train and validation."""
     model_dir = tmp_path_factory.mktemp("squad_v2")
     flags = v2_flags()
-    t5tpu(
-        "train",
-        *flags,
-        "--gin.TRAIN_STEPS=4",
-        "--gin.BATCH_SIZE=8",
-        "--gin.SAVE_PERIOD=4",
-        "--gin.EVAL_PERIOD=0",
-        model_dir=model_dir,
-    )
+    t5tpu("train", *flags, *quick_training(4), "--gin.EVAL_PERIOD=0", model_dir=model_dir)
     return model_dir
 
 

@@ -8,13 +8,16 @@ holds only its rows of each global batch (batches.to_global places them).
 from __future__ import annotations
 
 import hashlib
+import os
 import sys
+import tempfile
 from collections.abc import Mapping
 
 import jax
 import numpy as np
 import seqio
 import tensorflow as tf
+from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout
@@ -57,17 +60,13 @@ def train_batches(
     (Partitioner.data_layout(batch_size)) says which shard this host reads; without it every
     host reads its own shard, which is right unless the 'model' axis spans hosts.
     """
-    if layout is None:
-        num_hosts = jax.process_count()
-        if batch_size % num_hosts:
-            raise UserError(f"BATCH_SIZE={batch_size} must be a multiple of the {num_hosts} hosts")
-        layout = DataLayout(jax.process_index(), num_hosts, batch_size // num_hosts)
+    layout = layout or _one_shard_per_host(batch_size)
     # A position only fits the pipeline that saved it: a run resumed with another batch size,
     # task or host layout must not get the old pipeline's buffered batches.
     settings = (task_name, sorted(task_feature_lengths.items()), seed, pack, split, layout)
-    pipeline = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
+    fingerprint = hashlib.sha256(repr(settings).encode()).hexdigest()[:12]
 
-    def stream():
+    def stream() -> InputStream:
         ds = seqio.get_dataset(
             task_name,
             task_feature_lengths,
@@ -81,10 +80,30 @@ def train_batches(
             shard_info=seqio.ShardInfo(index=layout.shard_index, num_shards=layout.num_shards),
         )
         ds = ds.batch(layout.local_batch_size, drop_remainder=True)
-        return InputStream(ds.prefetch(tf.data.AUTOTUNE), pipeline)
+        return InputStream(ds.prefetch(tf.data.AUTOTUNE), fingerprint)
 
-    if saved_position and tf.io.gfile.exists(f"{saved_position}.{pipeline}.index"):
-        restored = stream()
+    restored = _restored_stream(stream, saved_position, fingerprint, skip_batches)
+    if restored:
+        return restored
+    skipped = stream()
+    skipped.skip(skip_batches)
+    return skipped
+
+
+def _one_shard_per_host(batch_size: int) -> DataLayout:
+    num_hosts = jax.process_count()
+    if batch_size % num_hosts:
+        raise UserError(f"BATCH_SIZE={batch_size} must be a multiple of the {num_hosts} hosts")
+    return DataLayout(jax.process_index(), num_hosts, batch_size // num_hosts)
+
+
+def _restored_stream(make_stream, saved_position, fingerprint, skip_batches) -> InputStream | None:
+    """The stream at `saved_position` when that was saved by this pipeline, else None (with a
+    warning when a position is there but cannot be used: skipping is then always right)."""
+    if not saved_position:
+        return None
+    if epath.Path(f"{saved_position}.{fingerprint}.index").exists():
+        restored = make_stream()
         try:
             restored.restore(saved_position)
             return restored
@@ -95,26 +114,28 @@ def train_batches(
                 f"({one_line_message(e)[:200]}); skipping {skip_batches} batches instead",
                 file=sys.stderr,
             )
-    elif saved_position and tf.io.gfile.glob(f"{saved_position}.*.index"):
+    elif list(epath.Path(saved_position).parent.glob(f"{epath.Path(saved_position).name}.*.index")):
         print(
             f"t5tpu: warning: {saved_position} was saved by another input pipeline (batch size, "
             f"task, lengths, seed, packing or hosts changed); skipping {skip_batches} batches of "
             "the new shape, as if the run had always used it",
             file=sys.stderr,
         )
-    skipped = stream()
-    skipped.skip(skip_batches)
-    return skipped
+    return None
 
 
 class InputStream:
     """An iterator of numpy batches whose position can be saved beside a checkpoint: restoring
     it costs a fraction of a second, where skipping runs every skipped example through the
-    pipeline again (minutes at step 20,000 of a batch-256 recipe)."""
+    pipeline again (minutes at step 20,000 of a batch-256 recipe).
 
-    def __init__(self, ds: tf.data.Dataset, pipeline: str):
+    The position is a tf.train.Checkpoint of the iterator, which TensorFlow writes through its
+    own filesystems; for a gs:// checkpoint it is written to a local folder and copied with
+    etils' epath, the client that writes the rest of the checkpoint."""
+
+    def __init__(self, ds: tf.data.Dataset, fingerprint: str):
         self._iterator = iter(ds)
-        self._pipeline = pipeline  # names the saved files: a fingerprint of the settings
+        self._fingerprint = fingerprint  # names the saved files: a fingerprint of the settings
 
     def __iter__(self):
         return self
@@ -128,8 +149,31 @@ class InputStream:
 
     def save(self, prefix: str) -> None:
         """Writes the position (the shuffle and prefetch buffers included) to `prefix`.*."""
-        tf.train.Checkpoint(input=self._iterator).write(f"{prefix}.{self._pipeline}")
+        name = f"{prefix}.{self._fingerprint}"
+        if not _is_remote(prefix):
+            tf.train.Checkpoint(input=self._iterator).write(name)
+            return
+        with tempfile.TemporaryDirectory() as local:
+            tf.train.Checkpoint(input=self._iterator).write(os.path.join(local, "position"))
+            destination = epath.Path(name)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            for file in epath.Path(local).iterdir():
+                suffix = file.name[len("position") :]
+                file.copy(destination.with_name(destination.name + suffix), overwrite=True)
 
     def restore(self, prefix: str) -> None:
-        checkpoint = tf.train.Checkpoint(input=self._iterator)
-        checkpoint.read(f"{prefix}.{self._pipeline}").assert_consumed()
+        name = f"{prefix}.{self._fingerprint}"
+        if not _is_remote(prefix):
+            tf.train.Checkpoint(input=self._iterator).read(name).assert_consumed()
+            return
+        with tempfile.TemporaryDirectory() as local:
+            source = epath.Path(name)
+            for file in source.parent.glob(f"{source.name}.*"):
+                suffix = file.name[len(source.name) :]
+                file.copy(epath.Path(local) / f"position{suffix}")
+            checkpoint = tf.train.Checkpoint(input=self._iterator)
+            checkpoint.read(os.path.join(local, "position")).assert_consumed()
+
+
+def _is_remote(path: str) -> bool:
+    return "://" in path

@@ -1,8 +1,12 @@
-"""Reading Quora question pairs, splitting them into train and validation, and
-`t5tpu prepare-quora`, which turns a full release into TFRecord splits for the Quora tasks.
+"""Reading Quora question pairs, splitting them into train and validation, and turning a full
+release into the TFRecord splits the Quora tasks read (`t5tpu prepare-quora`, whose flags are
+t5tpu.tools.prepare_quora's).
 
 The Quora release is a tab-separated file whose fields are csv-quoted where needed; one question
 even holds a quoted newline, so records must be read with a quote-aware reader, never by lines.
+
+TensorFlow (for gs:// paths and TFRecords) is imported by the functions that read or write: the
+command line imports this module to answer `t5tpu prepare-quora --help` at once.
 """
 
 import csv
@@ -13,7 +17,7 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
-from t5tpu.errors import ArgumentParser, UserError
+from t5tpu.errors import UserError
 
 FIELDS = ("id", "qid1", "qid2", "question1", "question2", "is_duplicate")
 SPLITS = ("train", "validation")
@@ -43,7 +47,6 @@ def read_pairs(path: str) -> Iterator[dict[str, str]]:
     the original bytes; convert "id" and "is_duplicate" with int() where numbers are needed.
     `path` may be local or gs://.
     """
-    # Imported here so that scripts reading local files do not pay for TensorFlow's start-up.
     import tensorflow as tf
 
     with tf.io.gfile.GFile(path, "r") as file:
@@ -68,15 +71,13 @@ def write_pairs(path: str, pairs: Iterable[dict[str, str]]) -> int:
     return count
 
 
-# --- `t5tpu prepare-quora`: Kaggle train.csv or a QQP TSV -> TFRecord splits -------------------
+# --- Kaggle train.csv or a QQP TSV -> TFRecord splits -----------------------------------------
 
 OUTPUT_FILES = {"train": "train.tfrecord", "validation": "validation.tfrecord"}
 STATS_FILE = "stats.json"
 _INTEGER_FIELDS = ("id", "qid1", "qid2")
 _QUESTION_FIELDS = ("question1", "question2")
 _LABELS = ("0", "1")
-# How many rejected rows the command prints; stats.json lists them all.
-_PRINTED_REJECTIONS = 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,47 +386,3 @@ def _usable_pair(
     if isinstance(pair, dict) and pair["id"] in first_line_of_id:
         return f"id {pair['id']} already used on line {first_line_of_id[pair['id']]}"
     return pair
-
-
-def summary(stats: PrepareStats, output_dir: str) -> str:
-    """What the command prints: counts per split, duplicate fraction and the rejected rows."""
-    lines = [
-        f"read {stats.input} ({stats.format})",
-        *(
-            f"{split}: {stats.pairs[split]} pairs, {stats.duplicates[split]} duplicates -> "
-            f"{os.path.join(output_dir, OUTPUT_FILES[split])}"
-            for split in SPLITS
-        ),
-        f"duplicates: {stats.duplicate_fraction:.1%} of {sum(stats.pairs.values())} pairs",
-        f"rejected: {len(stats.rejected)} rows",
-    ]
-    lines += [f"  {r.describe()}" for r in stats.rejected[:_PRINTED_REJECTIONS]]
-    if len(stats.rejected) > _PRINTED_REJECTIONS:
-        lines.append(f"  ... all {len(stats.rejected)} are listed in {STATS_FILE}")
-    if stats.blank_lines:
-        lines.append(f"blank lines skipped: {len(stats.blank_lines)} (listed in {STATS_FILE})")
-    return "\n".join(lines)
-
-
-def main(argv: list[str]) -> int:
-    """`t5tpu prepare-quora --input=PATH --output_dir=DIR [--overwrite]`."""
-    parser = ArgumentParser(
-        prog="t5tpu prepare-quora",
-        description="Split Quora question pairs (Kaggle train.csv or a QQP TSV) into "
-        "TFRecord train/validation files (about 10% validation, by a hash of the pair id).",
-    )
-    parser.add_argument("--input", required=True, help="train.csv or a .tsv; local or gs://")
-    parser.add_argument("--output_dir", required=True, help="where the splits go; local or gs://")
-    parser.add_argument("--overwrite", action="store_true", help="replace existing output")
-    parser.add_argument(
-        "--quoting",
-        choices=("csv", "none"),
-        default="csv",
-        help="csv (default): fields may be quoted and hold commas, tabs and newlines, as in "
-        "Kaggle's train.csv and Quora's TSV release; none: one record per line and quotes are "
-        "text, as GLUE's QQP files are written",
-    )
-    args = parser.parse_args(argv)
-    stats = prepare(args.input, args.output_dir, args.overwrite, args.quoting)
-    print(summary(stats, args.output_dir), flush=True)
-    return 0

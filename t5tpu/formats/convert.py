@@ -1,23 +1,21 @@
-"""`t5tpu convert`: pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging Face).
+"""Pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging Face).
 
-    t5tpu convert [--from={hf,t5x,mesh_tf}] --input=PATH --output_dir=DIR [--overwrite]
-        writes DIR/checkpoint_<step>/params (orbax, parameters only; the step is the source's:
-        0 for Hugging Face) and DIR/model.gin: the model's geometry, the source's vocabulary if
-        it has one, and INITIAL_CHECKPOINT_PATH, so that
-        `t5tpu train --gin_file=EXPERIMENT --gin_file=DIR/model.gin` fine-tunes from it.
-    t5tpu convert --to=hf --input=CHECKPOINT --output_dir=DIR [--gin_file=MODEL_GIN ...]
-        writes a Hugging Face directory from a t5tpu checkpoint_<step> (or the newest one of a
-        MODEL_DIR). What shapes cannot tell (the gated activation, the relative position
-        distance, the vocabulary) comes from the gin files given, else from the model.gin or
-        config.gin beside the checkpoint.
+`load_pretrained` is what the train runner calls for an INITIAL_CHECKPOINT_PATH. `to_t5tpu` and
+`to_hf` are what `t5tpu convert` runs (its flags are t5tpu.tools.convert's):
 
-`load_pretrained` is what the train runner calls for an INITIAL_CHECKPOINT_PATH.
+- to_t5tpu writes DIR/checkpoint_<step>/params (orbax, parameters only; the step is the
+  source's: 0 for Hugging Face) and DIR/model.gin: the model's geometry, the source's vocabulary
+  if it has one, and INITIAL_CHECKPOINT_PATH, so that
+  `t5tpu train --gin_file=EXPERIMENT --gin_file=DIR/model.gin` fine-tunes from it.
+- to_hf writes a Hugging Face directory from a t5tpu checkpoint_<step> (or the newest one of a
+  MODEL_DIR). What shapes cannot tell (the gated activation, the relative position distance,
+  the vocabulary) comes from the gin files given, else from the model.gin or config.gin beside
+  the checkpoint.
 """
 
 from __future__ import annotations
 
 import os
-import re
 
 import gin
 import jax
@@ -26,15 +24,14 @@ import tensorflow as tf
 
 from t5tpu import gin_setup, package_files
 from t5tpu.data import vocab
-from t5tpu.errors import ArgumentParser, UserError
+from t5tpu.errors import UserError
 from t5tpu.formats import hf_format, mesh_tf_format, param_mapping, t5x_format
 from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
 from t5tpu.storage import checkpoints
+from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
 IMPORTERS = {"hf": hf_format, "t5x": t5x_format, "mesh_tf": mesh_tf_format}
-MODEL_GIN = "model.gin"
-_T5TPU_STEP_DIR = re.compile(rf"{checkpoints.STEP_PREFIX}_(\d+)")
 # Geometry fields written into model.gin, in this order.
 _GEOMETRY = (
     "vocab_size",
@@ -61,9 +58,9 @@ def _absolute(path: str) -> str:
 def _t5tpu_step_dir(path: str) -> tuple[str, int] | None:
     """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory, else None."""
     path = _absolute(path.rstrip("/"))  # orbax needs absolute paths
-    match = _T5TPU_STEP_DIR.fullmatch(os.path.basename(path))
-    if match and tf.io.gfile.isdir(os.path.join(path, "params")):
-        return os.path.dirname(path), int(match.group(1))
+    step = step_of(path)
+    if step is not None and tf.io.gfile.isdir(os.path.join(path, "params")):
+        return os.path.dirname(path), step
     return None
 
 
@@ -136,8 +133,8 @@ def model_gin(
     lines = [
         f"# Written by `{command}`.",
         "# The converted model's geometry, vocabulary and weights. Give it after an experiment:",
-        f"#   t5tpu train --gin_file=EXPERIMENT.gin --gin_file={_parent(checkpoint_path)}/"
-        f"{MODEL_GIN}",
+        "#   t5tpu train --gin_file=EXPERIMENT.gin "
+        f"--gin_file={os.path.join(_parent(checkpoint_path), MODEL_GIN)}",
     ]
     if assumed:
         lines.append(f"# Not in the checkpoint, assumed as in T5: {assumed}.")
@@ -163,7 +160,7 @@ def _parent(path: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
-# the command
+# what `t5tpu convert` runs
 
 
 def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
@@ -195,27 +192,31 @@ def save_params(output_dir: str, step: int, params) -> str:
     mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
     mngr.wait_until_finished()
     mngr.close()
-    return os.path.join(output_dir, f"{checkpoints.STEP_PREFIX}_{step}")
+    return checkpoint_dir(output_dir, step)
 
 
 def _count(params) -> int:
     return sum(x.size for x in jax.tree_util.tree_leaves(params))
 
 
-def _import(args, command: str) -> int:
-    source = args.source or detect_format(args.input)
+def to_t5tpu(
+    *, input_path: str, output_dir: str, source: str | None, overwrite: bool, command: str
+) -> None:
+    """Writes a Hugging Face, T5X or Mesh TF checkpoint (`source`, else detected) as
+    output_dir/checkpoint_<step> plus model.gin; `command` is recorded in model.gin."""
+    source = source or detect_format(input_path)
     if source not in IMPORTERS:
         raise UserError(
-            f"{args.input} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it"
+            f"{input_path} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it"
         )
     importer = IMPORTERS[source]
-    _check_output(args.output_dir, args.input, args.overwrite)
-    config = importer.load_config(args.input)
-    step = importer.load_step(args.input)
-    params = importer.load_params(args.input, param_mapping.abstract_params(config))
-    vocabulary_file, extra_ids = importer.vocabulary(args.input)
+    _check_output(output_dir, input_path, overwrite)
+    config = importer.load_config(input_path)
+    step = importer.load_step(input_path)
+    params = importer.load_params(input_path, param_mapping.abstract_params(config))
+    vocabulary_file, extra_ids = importer.vocabulary(input_path)
 
-    output_dir = _absolute(args.output_dir)
+    output_dir = _absolute(output_dir)
     _replace_output(output_dir)
     checkpoint = save_params(output_dir, step, params)
     if vocabulary_file:
@@ -223,16 +224,22 @@ def _import(args, command: str) -> int:
         tf.io.gfile.copy(vocabulary_file, copied, overwrite=True)
         vocabulary_file = copied
     assumed = "" if source == "hf" else _assumptions(config)
-    text = model_gin(config, checkpoint, vocabulary_file, extra_ids, command, assumed)
-    with tf.io.gfile.GFile(os.path.join(output_dir, MODEL_GIN), "w") as f:
+    text = model_gin(
+        config,
+        checkpoint_path=checkpoint,
+        vocabulary_file=vocabulary_file,
+        extra_ids=extra_ids,
+        command=command,
+        assumed=assumed,
+    )
+    gin_path = os.path.join(output_dir, MODEL_GIN)
+    with tf.io.gfile.GFile(gin_path, "w") as f:
         f.write(text)
     print(
-        f"wrote {checkpoint} ({_count(params):,} parameters) and {output_dir}/{MODEL_GIN}; "
-        f"fine-tune with: t5tpu train --gin_file=EXPERIMENT.gin "
-        f"--gin_file={output_dir}/{MODEL_GIN}",
+        f"wrote {checkpoint} ({_count(params):,} parameters) and {gin_path}; fine-tune with: "
+        f"t5tpu train --gin_file=EXPERIMENT.gin --gin_file={gin_path}",
         flush=True,
     )
-    return 0
 
 
 def _assumptions(config: T5Config) -> str:
@@ -308,60 +315,33 @@ def _gin_model(gin_files: list[str], shapes: dict[str, tuple]):
     return config, vocabulary.sentencepiece_model_file, vocabulary.extra_ids
 
 
-def _export(args) -> int:
-    if args.source not in (None, "t5tpu"):
+def to_hf(
+    *,
+    input_path: str,
+    output_dir: str,
+    source: str | None,
+    overwrite: bool,
+    gin_files: list[str],
+) -> None:
+    """Writes the t5tpu checkpoint at `input_path` (a checkpoint_<step>, or a MODEL_DIR's
+    newest) as a Hugging Face directory; `gin_files` describe its model (default: the model.gin
+    or config.gin beside it)."""
+    if source not in (None, "t5tpu"):
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
-    model_dir, step = _export_source(args.input)
-    _check_output(args.output_dir, args.input, args.overwrite)
-    mngr = checkpoints.manager(model_dir, read_only=True)
+    run_dir, step = _export_source(input_path)
+    _check_output(output_dir, input_path, overwrite)
+    mngr = checkpoints.manager(run_dir, read_only=True)
     shapes = checkpoints.flat_shapes(mngr.item_metadata(step)["params"])
-    beside = [os.path.join(model_dir, name) for name in (MODEL_GIN, "config.gin")]
-    gin_files = args.gin_file or [path for path in beside if tf.io.gfile.exists(path)][:1]
+    beside = [os.path.join(run_dir, name) for name in (MODEL_GIN, TRAIN_CONFIG)]
+    gin_files = gin_files or [path for path in beside if tf.io.gfile.exists(path)][:1]
     config, vocabulary_file, extra_ids = _gin_model(gin_files, shapes)
     abstract = param_mapping.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
-    _replace_output(args.output_dir)
-    hf_format.export(jax.device_get(params), config, args.output_dir, vocabulary_file, extra_ids)
+    _replace_output(output_dir)
+    hf_format.export(jax.device_get(params), config, output_dir, vocabulary_file, extra_ids)
     print(
-        f"wrote {args.output_dir} from {model_dir}/{checkpoints.STEP_PREFIX}_{step} "
+        f"wrote {output_dir} from {checkpoint_dir(run_dir, step)} "
         f"({_count(params):,} parameters); load it with "
-        f"transformers.T5ForConditionalGeneration.from_pretrained('{args.output_dir}')",
+        f"transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}')",
         flush=True,
     )
-    return 0
-
-
-def _parser() -> ArgumentParser:
-    parser = ArgumentParser(
-        prog="t5tpu convert",
-        description="Convert T5 checkpoints: Hugging Face, T5X or Mesh TF into a t5tpu "
-        "checkpoint plus model.gin; or (--to=hf) a t5tpu checkpoint into a Hugging Face "
-        "directory.",
-    )
-    parser.add_argument(
-        "--from",
-        dest="source",
-        choices=[*IMPORTERS, "t5tpu"],
-        help="format of --input (default: detected)",
-    )
-    parser.add_argument("--to", choices=["t5tpu", "hf"], default="t5tpu")
-    parser.add_argument("--input", required=True, help="checkpoint to read (local or gs://)")
-    parser.add_argument("--output_dir", required=True, help="directory to write")
-    parser.add_argument(
-        "--overwrite", action="store_true", help="replace --output_dir if it is not empty"
-    )
-    parser.add_argument(
-        "--gin_file",
-        action="append",
-        default=[],
-        help="--to=hf: the model's gin file(s) (default: model.gin or config.gin beside it)",
-    )
-    return parser
-
-
-def main(argv: list[str]) -> int:
-    args = _parser().parse_args(argv)
-    command = "t5tpu convert " + " ".join(argv)
-    if args.to == "hf":
-        return _export(args)
-    return _import(args, command)

@@ -1,0 +1,205 @@
+"""Every t5tpu command: its name, what it does in one line, one example, and where its code is.
+
+`t5tpu --help` and each command's --help are printed from this table, and it is imported for
+every command line, so it imports nothing heavy: the tool modules it names keep jax, TensorFlow
+and seqio out of their top level, and a runner's module is named as a string, imported only once
+the command line has been parsed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from types import ModuleType
+
+from t5tpu.tools import bench, convert, prepare_quora
+
+EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
+
+
+@dataclasses.dataclass(frozen=True)
+class Macro:
+    """A gin macro a command reads: its default as the run file sets it ('required' for
+    %gin.REQUIRED) and what it means."""
+
+    name: str
+    default: str
+    meaning: str
+
+
+@dataclasses.dataclass(frozen=True)
+class GinCommand:
+    """A command whose flags are gin files and bindings; gin supplies every argument of its
+    runner, so its settings are the macros of `run_file`."""
+
+    name: str
+    summary: str
+    runner: str  # "module:function"
+    run_file: str
+    macros: tuple[Macro, ...]
+    example: str
+    notes: tuple[str, ...] = ()
+    compilation_cache: bool = True
+
+    def load_runner(self) -> Callable[[], object]:
+        module, function = self.runner.split(":")
+        return getattr(importlib.import_module(module), function)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCommand:
+    """A helper command with its own argparse flags. Its module is light to import and has NAME,
+    SUMMARY, EXAMPLE, parser(), parse_args(argv) and run(args) -> exit code."""
+
+    module: ModuleType
+    tensorflow: bool  # reads or writes through TensorFlow: load it quietly first
+    compilation_cache: bool  # compiles JAX programs worth keeping for the next run
+
+    @property
+    def name(self) -> str:
+        return self.module.NAME
+
+    @property
+    def summary(self) -> str:
+        return self.module.SUMMARY
+
+    @property
+    def example(self) -> str:
+        return self.module.EXAMPLE
+
+
+_MODEL_DIR = Macro("MODEL_DIR", "required", "where checkpoints, configs, metrics, predictions go")
+_TASK = Macro("MIXTURE_OR_TASK_NAME", "required", "seqio task or mixture, e.g. qp_is_duplicate")
+_TASK_MODULE = Macro(
+    "MIXTURE_OR_TASK_MODULE", "None", "your module or .py file that registers more tasks"
+)
+_LENGTHS = Macro("TASK_FEATURE_LENGTHS", "required", "{'inputs': 512, 'targets': 128}")
+_BATCH_SIZE = Macro("BATCH_SIZE", "128", "global batch, split over the mesh's data axis")
+_MICROBATCHES = Macro("NUM_MICROBATCHES", "1", "gradient accumulation: the batch in N pieces")
+_PACKING = Macro("USE_PACKING", "False", "pack several examples into one row")
+_EVAL_SPLIT = Macro("EVAL_SPLIT", "'validation'", "the split eval reads")
+_EVAL_BATCH_SIZE = Macro("EVAL_BATCH_SIZE", "32", "eval's batch size")
+_CHECKPOINT_STEP = "'latest', 'all' or a step"
+_NUM_BEAMS = Macro("NUM_BEAMS", "1", "above 1: beam search (length penalty 0.6)")
+
+TRAIN = GinCommand(
+    name="train",
+    summary="fine-tune (or train from scratch) a T5 model; a rerun continues from its checkpoint",
+    runner="t5tpu.runners.train:train",
+    run_file="configs/runs/finetune.gin",
+    macros=(
+        _MODEL_DIR,
+        _TASK,
+        _TASK_MODULE,
+        _LENGTHS,
+        Macro("TRAIN_STEPS", "required", "absolute step to train to; raising it continues a run"),
+        _BATCH_SIZE,
+        Macro("DROPOUT_RATE", "0.1", "dropout in every layer"),
+        Macro("LEARNING_RATE", "0.001", "Adafactor's constant rate (T5's fine-tuning recipe)"),
+        _PACKING,
+        Macro("RANDOM_SEED", "0", "initialization, data order and dropout"),
+        _MICROBATCHES,
+        Macro("SAVE_PERIOD", "1000", "steps between checkpoints (and one at the end)"),
+        Macro("KEEP_CHECKPOINTS", "None", "keep only the newest N checkpoints"),
+        Macro("KEEP_PERIOD", "None", "and also every checkpoint whose step is a multiple of K"),
+        Macro("CHECKPOINT_DTYPE", "'float32'", "'bfloat16' halves checkpoints (inexact resume)"),
+        Macro("EVAL_PERIOD", "0", "evaluate every N steps while training (0: never)"),
+        _EVAL_SPLIT,
+        _EVAL_BATCH_SIZE,
+        Macro(
+            "INITIAL_CHECKPOINT_PATH",
+            "None",
+            "pretrained weights: a checkpoint_N, Hugging Face, T5X or Mesh TF checkpoint",
+        ),
+    ),
+    example=(
+        f"t5tpu train --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" --gin.TRAIN_STEPS=300"
+    ),
+)
+
+EVAL = GinCommand(
+    name="eval",
+    summary="the task's metrics for checkpoints in MODEL_DIR, also beside a training run",
+    runner="t5tpu.runners.evaluate:evaluate",
+    run_file="configs/runs/eval.gin",
+    macros=(
+        _MODEL_DIR,
+        _TASK,
+        _TASK_MODULE,
+        _LENGTHS,
+        Macro("CHECKPOINT_STEP", "'latest'", f"{_CHECKPOINT_STEP}, or 'continuous' while training"),
+        _EVAL_SPLIT,
+        _EVAL_BATCH_SIZE,
+        Macro("EVAL_NUM_EXAMPLES", "None", "evaluate only the first N examples (None: all)"),
+        _NUM_BEAMS,
+    ),
+    example=f"t5tpu eval --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
+    "--gin.CHECKPOINT_STEP=\"'all'\"",
+)
+
+INFER = GinCommand(
+    name="infer",
+    summary="decode a file of inputs, inputs given in gin, or a task split with a checkpoint",
+    runner="t5tpu.runners.infer:infer",
+    run_file="configs/runs/infer.gin",
+    macros=(
+        _MODEL_DIR,
+        dataclasses.replace(_TASK, default="None", meaning="the task whose split to decode"),
+        _TASK_MODULE,
+        _LENGTHS,
+        Macro("CHECKPOINT_STEP", "'latest'", _CHECKPOINT_STEP),
+        Macro("INFER_INPUT_FILE", "None", "text file, one model input per line"),
+        Macro("INFER_INPUTS", "None", "a list of model inputs, e.g. from the command line"),
+        Macro("INFER_SPLIT", "'validation'", "the task split to decode without inputs given"),
+        Macro("INFER_NUM_EXAMPLES", "None", "decode only the first N inputs (None: all)"),
+        Macro("INFER_BATCH_SIZE", "32", "inputs decoded together"),
+        Macro("TEMPERATURE", "0.0", "above 0: sampling instead of greedy decoding"),
+        Macro("TOP_K", "0", "sample from the k most likely tokens (0: all)"),
+        _NUM_BEAMS,
+    ),
+    example=f"t5tpu infer --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
+    "--gin.INFER_INPUT_FILE=\"'examples/questions.txt'\"",
+    notes=("predictions go to MODEL_DIR/inference/<source>-<step>.jsonl",),
+)
+
+PLAN = GinCommand(
+    name="plan",
+    summary="per-device memory of a training run and whether it fits, before paying for a slice",
+    runner="t5tpu.runners.plan:plan",
+    run_file="configs/runs/finetune.gin",
+    macros=(_LENGTHS, _BATCH_SIZE, _MICROBATCHES, _PACKING),
+    example="t5tpu plan --gin_file=configs/experiments/qp_is_duplicate_base_v2-8.gin",
+    notes=(
+        "reads the gin files `t5tpu train` reads (model, topology, run settings); plan.* "
+        "bindings (plan.batch_size, ...) override the training run's",
+        "--gin.plan.compile=True also compiles the train step with TPU's compiler (no TPU "
+        "needed) and judges the fit by XLA's own memory figures",
+    ),
+    # Its compiles are measured, never run: an executable for compile-only TPU devices cannot be
+    # loaded back from the cache, and a pod slice's is large.
+    compilation_cache=False,
+)
+
+GIN_COMMANDS = {c.name: c for c in (TRAIN, EVAL, INFER, PLAN)}
+TOOLS = {
+    c.name: c
+    for c in (
+        ToolCommand(module=prepare_quora, tensorflow=True, compilation_cache=False),
+        ToolCommand(module=convert, tensorflow=True, compilation_cache=True),
+        ToolCommand(module=bench, tensorflow=True, compilation_cache=True),
+    )
+}
+USAGE = (
+    f"usage: t5tpu {{{','.join(GIN_COMMANDS)}}} --gin_file=FILE [--gin.NAME=VALUE ...] | "
+    f"t5tpu {{{','.join(TOOLS)}}} ...; t5tpu COMMAND --help"
+)
+
+
+def find(name: str) -> GinCommand | ToolCommand | None:
+    return GIN_COMMANDS.get(name) or TOOLS.get(name)
+
+
+def unknown_command(words: list[str]) -> str:
+    given = " ".join(words) or "nothing"
+    return f"expected one subcommand of {', '.join([*GIN_COMMANDS, *TOOLS])}, got {given}. {USAGE}"

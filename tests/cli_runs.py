@@ -1,0 +1,117 @@
+"""Running the t5tpu command line from the tests: the subprocess runners (one command, or the
+processes of one multi-process run), the tiny experiment most of them train, and what they read
+back (JSON files, digests of a directory's files).
+
+Plain functions, not fixtures: test_multihost.py's worker processes (its own file run as a
+script) import this module too."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The data sets beside the checkout (CI clones with ../shared next to it).
+SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
+# A 1M-parameter T5 1.1 on the bundled Quora sample: every subcommand runs in seconds on CPU.
+TINY_EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
+# Its geometry (configs/models/t5_1_1/tiny.gin), for tests that build the model in-process.
+TINY_GEOMETRY = dict(
+    vocab_size=1024,
+    emb_dim=128,
+    num_heads=4,
+    head_dim=32,
+    mlp_dim=256,
+    num_encoder_layers=2,
+    num_decoder_layers=2,
+)
+
+
+def cli_command(*args: str) -> list[str]:
+    """`python -m t5tpu.cli.main ARGS` with this interpreter (the checkout's t5tpu)."""
+    return [sys.executable, "-m", "t5tpu.cli.main", *args]
+
+
+def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900):
+    """Runs `t5tpu ARGS` (--gin.MODEL_DIR last when model_dir is given) and returns the finished
+    process, its output captured as text. By default the checkout's, from the repository root
+    (where relative paths such as examples/questions.txt resolve); `program` is another t5tpu
+    to run (an installed console script), `cwd` another directory to run it from, `env` another
+    environment."""
+    if model_dir is not None:
+        args = (*args, f"--gin.MODEL_DIR='{model_dir}'")
+    argv = [*program, *args] if program else cli_command(*args)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def succeeded(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    """The run, once it has exited 0 (else its stderr's end is the failure message)."""
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run
+
+
+def run_together(argvs: list[list[str]], env=None, timeout=600) -> list:
+    """Starts every command at once (the processes of one multi-process run) and waits for each
+    in turn; after one that fails, the rest are killed, not waited for (they may wait for it
+    forever), and the list ends with the failed one."""
+    procs = [
+        subprocess.Popen(
+            argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for argv in argvs
+    ]
+    done = []
+    try:
+        for proc in procs:
+            stdout, stderr = proc.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr))
+            if proc.returncode != 0:
+                break
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    return done
+
+
+def free_port() -> int:
+    """A TCP port free on localhost now, for a jax.distributed coordinator."""
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def quick_training(steps: int) -> list[str]:
+    """Flags for `steps` training steps of batch 8 and a checkpoint at the last: something to
+    evaluate or decode with, in little more than start-up and compile time."""
+    return [f"--gin.TRAIN_STEPS={steps}", "--gin.BATCH_SIZE=8", f"--gin.SAVE_PERIOD={steps}"]
+
+
+def read_json(path):
+    return json.loads(pathlib.Path(path).read_text(encoding="utf-8"))
+
+
+def read_jsonl(path) -> list:
+    """The rows of a JSON-lines file (predictions)."""
+    return [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
+
+
+def file_digests(folder, skip_prefixes: tuple[str, ...] = ()) -> dict[str, str]:
+    """sha256 of every file under `folder` by its relative path, but files whose names start
+    with one of `skip_prefixes`: to show that a command changed nothing there."""
+    digests = {}
+    for directory, _, files in os.walk(folder):
+        for name in files:
+            if name.startswith(skip_prefixes):
+                continue
+            path = os.path.join(directory, name)
+            digests[os.path.relpath(path, folder)] = hashlib.sha256(
+                pathlib.Path(path).read_bytes()
+            ).hexdigest()
+    return digests
