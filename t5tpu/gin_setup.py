@@ -180,18 +180,17 @@ def runner(fn):
     return gin.configurable(checked)
 
 
-def write_operative_config(model_dir: str, name: str, keep_previous_as: str | None = None) -> str:
-    """Writes the config that the run actually used (every bound value that was read); on a
-    multi-host run only process 0 writes it. With `keep_previous_as`, a different config
-    already there is renamed to that name instead of being replaced (unless that name is taken:
-    nothing is overwritten)."""
-    path = os.path.join(model_dir, name)
+def write_operative_config(path: str, keep_previous_as: str | None = None) -> str:
+    """Writes the config that the run actually used (every bound value that was read) to `path`
+    (a storage.model_dir path); on a multi-host run only process 0 writes it. With
+    `keep_previous_as` (a path too), a different config already at `path` is renamed to it
+    instead of being replaced (unless that path is taken: nothing is overwritten)."""
     if jax.process_index() != 0:
         return path
-    tf.io.gfile.makedirs(model_dir)
+    tf.io.gfile.makedirs(os.path.dirname(path))
     config = gin.operative_config_str()
     if keep_previous_as:
-        _keep_if_different(path, os.path.join(model_dir, keep_previous_as), config)
+        _keep_if_different(path, keep_previous_as, config)
     with tf.io.gfile.GFile(path, "w") as f:
         f.write(config)
     return path

@@ -118,14 +118,19 @@ def test_help_and_bad_tool_flags_import_no_heavy_package():
 
 
 def _run_file_macros(path: str) -> dict[str, str]:
-    """NAME -> default of each `NAME = value` line of a run file ('required' for gin.REQUIRED)."""
+    """NAME -> default of each `NAME = value` line of a run file ('required' for gin.REQUIRED),
+    and of the files it includes those it uses (eval.gin takes NUM_BEAMS from decoding.gin)."""
     macros = {}
     with open(os.path.join(ROOT, path)) as file:
-        for line in file:
-            match = re.fullmatch(r"([A-Z][A-Z0-9_]*) = (.*?)(\s+#.*)?", line.rstrip("\n"))
-            if match:
-                value = match.group(2)
-                macros[match.group(1)] = "required" if value == "%gin.REQUIRED" else value
+        text = file.read()
+    for included in re.findall(r"^include '(.*)'$", text, re.M):
+        used = set(re.findall(r"%([A-Z][A-Z0-9_]*)", text))
+        macros.update({k: v for k, v in _run_file_macros(included).items() if k in used})
+    for line in text.splitlines():
+        match = re.fullmatch(r"([A-Z][A-Z0-9_]*) = (.*?)(\s+#.*)?", line)
+        if match:
+            value = match.group(2)
+            macros[match.group(1)] = "required" if value == "%gin.REQUIRED" else value
     return macros
 
 

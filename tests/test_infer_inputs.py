@@ -16,7 +16,7 @@ from t5tpu import package_files
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.decoding import DecodingSettings
-from t5tpu.runners.infer import _file_name, _own_file
+from t5tpu.runners.prediction_files import file_name, own_file
 
 RUNS = package_files.configs_dir("runs")
 STEPS = 2
@@ -79,14 +79,19 @@ def test_check_settings_refuses(temperature, top_k, num_beams, message):
         decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
 
 
-def test_num_beams_has_the_same_default_in_eval_and_infer_run_files():
-    """Experiments include eval.gin and infer.gin together and gin keeps the last definition,
-    so a default that differed would silently change `t5tpu eval`'s."""
-    defaults = {
-        name: re.findall(r"^NUM_BEAMS = (.*)$", pathlib.Path(RUNS, name).read_text(), re.M)
-        for name in ("eval.gin", "infer.gin")
+def test_decoding_macros_are_defined_once_for_eval_and_infer():
+    """eval.gin and infer.gin both include decoding.gin and define none of its macros: a default
+    of their own would silently change the other command's, as experiments include both."""
+    texts = {name: pathlib.Path(RUNS, name).read_text() for name in ("eval.gin", "infer.gin")}
+    texts["decoding.gin"] = pathlib.Path(RUNS, "decoding.gin").read_text()
+    defined = {
+        name: re.findall(r"^(NUM_BEAMS|TEMPERATURE|TOP_K) = (.*)$", text, re.M)
+        for name, text in texts.items()
     }
-    assert defaults == {"eval.gin": ["1"], "infer.gin": ["1"]}
+    decoding_macros = [("NUM_BEAMS", "1"), ("TEMPERATURE", "0.0"), ("TOP_K", "0")]
+    assert defined == {"eval.gin": [], "infer.gin": [], "decoding.gin": decoding_macros}
+    for name in ("eval.gin", "infer.gin"):
+        assert "include 'configs/runs/decoding.gin'" in texts[name]
 
 
 # --- through the command line -----------------------------------------------------------------
@@ -201,14 +206,14 @@ def test_a_prediction_file_of_other_inputs_is_never_replaced(tmp_path):
     same inputs again rewrite their own file."""
     first, other = tmp_path / "questions-5.jsonl", tmp_path / "questions-5.2.jsonl"
     first.write_text('{"input": "a?", "prediction": "no"}\n{"input": "b?", "prediction": "no"}\n')
-    assert _own_file(str(first), ["a?", "b?"]) == str(first)
-    assert _own_file(str(first), ["a?", "c?"]) == str(other)
-    assert _own_file(str(first), ["a?"]) == str(other)
+    assert own_file(str(first), ["a?", "b?"]) == str(first)
+    assert own_file(str(first), ["a?", "c?"]) == str(other)
+    assert own_file(str(first), ["a?"]) == str(other)
     other.write_text('{"input": "a?", "prediction": "yes"}\n')
-    assert _own_file(str(first), ["a?"]) == str(other)
-    assert _own_file(str(first), ["c?"]) == str(tmp_path / "questions-5.3.jsonl")
+    assert own_file(str(first), ["a?"]) == str(other)
+    assert own_file(str(first), ["c?"]) == str(tmp_path / "questions-5.3.jsonl")
     (tmp_path / "notes.jsonl").write_text("my own notes, not predictions\n")
-    assert _own_file(str(tmp_path / "notes.jsonl"), ["a?"]) == str(tmp_path / "notes.2.jsonl")
+    assert own_file(str(tmp_path / "notes.jsonl"), ["a?"]) == str(tmp_path / "notes.2.jsonl")
 
 
 def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
@@ -245,7 +250,7 @@ def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
     ],
 )
 def test_prediction_files_are_named_by_the_settings_that_change_them(num_examples, settings, name):
-    assert _file_name("src", 5, num_examples, DecodingSettings(*settings)) == name
+    assert file_name("src", 5, num_examples, DecodingSettings(*settings)) == name
 
 
 def test_num_beams_macro_reaches_infer_and_eval(model_dir, tmp_path):

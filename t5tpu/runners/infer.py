@@ -2,13 +2,14 @@
 
 One output file per checkpoint step: MODEL_DIR/inference/<source>-<step>.jsonl with
 {"input", "prediction"} and "target" when the source knows it (<source>-<step>.2.jsonl and on
-when a file of that name holds other inputs' predictions). Files are written to a temporary
-name and renamed, so an interrupted run never leaves a half-written result in their place.
+when a file of that name holds other inputs' predictions; runners/prediction_files.py names and
+writes them). Files are written to a temporary name and renamed, so an interrupted run never
+leaves a half-written result in their place.
 """
 
 from __future__ import annotations
 
-import itertools
+import dataclasses
 import json
 import os
 
@@ -23,8 +24,30 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners import prediction_files
 from t5tpu.storage import checkpoints
+from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
+
+
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """What one run decodes: `examples` ({"input", "ids"} and "target" when the source knows
+    it), the first `num_examples` (None: all) of `source`, which names the predictions files."""
+
+    source: str
+    examples: list[dict]
+    num_examples: int | None
+
+    def predictions_path(self, folder: str, step: int, settings: decoding.DecodingSettings):
+        return prediction_files.predictions_path(
+            folder,
+            self.source,
+            step,
+            num_examples=self.num_examples,
+            settings=settings,
+            inputs=[ex["input"] for ex in self.examples],
+        )
 
 
 def _read_lines(path: str) -> list[str]:
@@ -82,56 +105,130 @@ def _read_split(task, split: str, task_feature_lengths, num_examples: int | None
     ]
 
 
-def _write_jsonl(path: str, rows: list[dict]) -> None:
-    tf.io.gfile.makedirs(os.path.dirname(path))
-    tmp = f"{path}.tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tf.io.gfile.rename(tmp, path, overwrite=True)
-
-
-def _inputs_in(path: str) -> list[str] | None:
-    """The inputs of a predictions file, in order; None when it is not one."""
-    try:
-        with tf.io.gfile.GFile(path) as f:
-            return [json.loads(line)["input"] for line in f if line.strip()]
-    except (ValueError, KeyError, TypeError):
-        return None
-
-
-def _own_file(path: str, inputs: list[str]) -> str:
-    """`path`, unless it holds the predictions of other inputs (an input file of the same name
-    in another folder, other INFER_INPUTS): then the first of <name>.2.jsonl, <name>.3.jsonl,
-    ... that is free or holds these inputs' predictions. Rerunning a command rewrites its own
-    file; another input's predictions are never replaced."""
-    stem, ext = os.path.splitext(path)
-    for n in itertools.count(1):
-        candidate = path if n == 1 else f"{stem}.{n}{ext}"
-        if not tf.io.gfile.exists(candidate) or _inputs_in(candidate) == inputs:
-            return candidate
-
-
-def _file_name(
-    source: str,
-    step: int,
+def _chosen_inputs(
+    *,
+    inputs: list[str] | str | None,
+    input_file: str | None,
+    mixture_or_task_name: str | None,
+    mixture_or_task_module: str | None,
+    split: str,
+    task_feature_lengths,
     num_examples: int | None,
-    settings: decoding.DecodingSettings,
-) -> str:
-    """<source>-<step>[-first<N>][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl.
+    vocabulary,
+) -> _Inputs:
+    """INFER_INPUTS if given, else INFER_INPUT_FILE, else the task's split: the first
+    `num_examples` of them (None: all)."""
+    input_length = pipeline.model_lengths(task_feature_lengths)[0]
+    if inputs:
+        texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        examples = _examples_from_texts(texts[:num_examples], vocabulary, input_length)
+        return _Inputs("inputs", examples, num_examples)
+    if input_file:
+        lines = _read_lines(input_file)[:num_examples]
+        source = os.path.splitext(os.path.basename(input_file))[0]
+        return _Inputs(source, _examples_from_texts(lines, vocabulary, input_length), num_examples)
+    if mixture_or_task_name:
+        registry.get_task(mixture_or_task_name, mixture_or_task_module)
+        examples = _examples_from_task(
+            mixture_or_task_name, split, task_feature_lengths, num_examples
+        )
+        return _Inputs(f"{mixture_or_task_name}_{split}", examples, num_examples)
+    raise UserError("nothing to infer: set INFER_INPUTS, INFER_INPUT_FILE or MIXTURE_OR_TASK_NAME")
 
-    Every setting that changes the predictions is in the name, so decoding the same inputs
-    another way never replaces earlier predictions, while the same command (deterministic, seed
-    included) rewrites its own file. Greedy decoding of every input keeps the plain name."""
-    name = f"{source}-{step}"
-    if num_examples is not None:
-        name += f"-first{num_examples}"
-    if settings.num_beams > 1:
-        name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
-    elif settings.samples:
-        top = f"-top{settings.top_k}" if settings.top_k else ""
-        name += f"-temp{settings.temperature:g}{top}-seed{settings.seed}"
-    return f"{name}.jsonl"
+
+@dataclasses.dataclass(frozen=True)
+class _Checkpoints:
+    """The checkpoints a run decodes with, each checked against the model's geometry before
+    anything is written."""
+
+    mngr: object
+    steps: list[int]
+    params_shape: object
+    shardings: object
+
+    @classmethod
+    def checked(
+        cls, model_dir: str, checkpoint_step: int | str, *, model, partitioner, lengths
+    ) -> _Checkpoints:
+        steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
+        params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
+        mngr = checkpoints.manager(model_dir, read_only=True)
+        for step in steps:
+            checkpoints.check_geometry(mngr, step, params_shape)
+        return cls(mngr, steps, params_shape, shardings)
+
+    def params(self, step: int):
+        return checkpoints.restore_params(self.mngr, step, self.params_shape, self.shardings)
+
+
+def _token_dataset(examples: list[dict], input_length: int) -> tf.data.Dataset:
+    """(index, {"encoder_input_tokens"}) per example, padded to the input length."""
+    tokens = np.zeros((len(examples), input_length), np.int32)
+    for row, ex in enumerate(examples):
+        tokens[row, : len(ex["ids"])] = ex["ids"]
+    return tf.data.Dataset.from_tensor_slices(
+        (np.arange(len(examples)), {"encoder_input_tokens": tokens})
+    )
+
+
+class _Decoder:
+    """Decodes one run's inputs with the parameters of each checkpoint in turn."""
+
+    def __init__(
+        self,
+        *,
+        model: EncoderDecoderModel,
+        partitioner: Partitioner,
+        param_shardings,
+        settings: decoding.DecodingSettings,
+        lengths: tuple[int, int],
+        batch_size: int,
+    ):
+        input_length, target_length = lengths
+        self.input_length = input_length
+        self.batch_size = batch_size
+        self.seed = settings.seed
+        self.vocabulary = model.vocabulary
+        self.batch_sharding = partitioner.batch_sharding()
+        self._predict = partitioner.jit(
+            lambda p, b, rng: model.predict(p, b, target_length, rng, settings),
+            in_shardings=(param_shardings, self.batch_sharding, partitioner.replicated()),
+            out_shardings=partitioner.replicated(),  # every host holds all predictions
+        )
+
+    def rows(self, params, inputs: _Inputs) -> list[dict]:
+        """{"input", "prediction"} (and "target" when known) per example, in order."""
+        rng = jax.random.PRNGKey(self.seed)
+        rows = []
+        ds = _token_dataset(inputs.examples, self.input_length)
+        for indices, batch in batches.padded_batches(ds, self.batch_size):
+            rng, batch_rng = jax.random.split(rng)
+            global_batch = batches.full_batch_to_global(batch, self.batch_sharding)
+            out = self._predict(params, global_batch, batch_rng)
+            for i, ids in zip(indices, np.asarray(jax.device_get(out)), strict=False):
+                ex = inputs.examples[i]
+                row = {"input": ex["input"], "prediction": self.vocabulary.decode(ids.tolist())}
+                if "target" in ex:
+                    row["target"] = ex["target"]
+                rows.append(row)
+        return rows
+
+
+def _write_predictions(path: str, rows: list[dict], step: int) -> None:
+    if jax.process_index() != 0:  # every process decoded the same rows; one writes them
+        print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
+        return
+    prediction_files.write_jsonl(path, rows)
+    for row in rows[:3]:
+        print(json.dumps(row, ensure_ascii=False))
+    print(f"step {step}: wrote {len(rows)} predictions to {path}", flush=True)
+
+
+def _check_num_examples(num_examples: int | None) -> None:
+    if num_examples is not None and num_examples < 1:
+        raise UserError(
+            f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
+        )
 
 
 @gin_setup.runner
@@ -156,84 +253,40 @@ def infer(
     output_dir: str | None = None,
     partitioner: Partitioner | None = None,
 ) -> list[str]:
-    """Decodes INFER_INPUTS (texts given in gin or on the command line) or INFER_INPUT_FILE (one
-    input per line) if given, else the task's split; only the first `num_examples` of them if
-    that is not None. Returns the files written."""
+    """Decodes INFER_INPUTS (texts from gin or the command line), else INFER_INPUT_FILE (one per
+    line), else the task's split: the first `num_examples` (None: all). Returns the files."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
     settings.check(model.config.vocab_size)
-    if num_examples is not None and num_examples < 1:
-        raise UserError(
-            f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
-        )
-    input_length, target_length = pipeline.model_lengths(task_feature_lengths)
-    if inputs:
-        if isinstance(inputs, str):
-            inputs = [inputs]
-        examples = _examples_from_texts(list(inputs)[:num_examples], model.vocabulary, input_length)
-        source = "inputs"
-    elif input_file:
-        lines = _read_lines(input_file)[:num_examples]
-        examples = _examples_from_texts(lines, model.vocabulary, input_length)
-        source = os.path.splitext(os.path.basename(input_file))[0]
-    elif mixture_or_task_name:
-        registry.get_task(mixture_or_task_name, mixture_or_task_module)
-        examples = _examples_from_task(
-            mixture_or_task_name, split, task_feature_lengths, num_examples
-        )
-        source = f"{mixture_or_task_name}_{split}"
-    else:
-        raise UserError(
-            "nothing to infer: set INFER_INPUTS, INFER_INPUT_FILE or MIXTURE_OR_TASK_NAME"
-        )
-    steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
-
-    params_shape, shardings = trainer.abstract_params(
-        model, partitioner, input_length, target_length
+    _check_num_examples(num_examples)
+    lengths = pipeline.model_lengths(task_feature_lengths)
+    chosen = _chosen_inputs(
+        inputs=inputs,
+        input_file=input_file,
+        mixture_or_task_name=mixture_or_task_name,
+        mixture_or_task_module=mixture_or_task_module,
+        split=split,
+        task_feature_lengths=task_feature_lengths,
+        num_examples=num_examples,
+        vocabulary=model.vocabulary,
     )
-    batch_sharding = partitioner.batch_sharding()
-    predict = partitioner.jit(
-        lambda p, b, rng: model.predict(p, b, target_length, rng, settings),
-        in_shardings=(shardings, batch_sharding, partitioner.replicated()),
-        out_shardings=partitioner.replicated(),  # every host holds all predictions
+    restorable = _Checkpoints.checked(
+        model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
     )
-    tokens = np.zeros((len(examples), input_length), np.int32)
-    for row, ex in enumerate(examples):
-        tokens[row, : len(ex["ids"])] = ex["ids"]
-    ds = tf.data.Dataset.from_tensor_slices(
-        (np.arange(len(examples)), {"encoder_input_tokens": tokens})
+    decoder = _Decoder(
+        model=model,
+        partitioner=partitioner,
+        param_shardings=restorable.shardings,
+        settings=settings,
+        lengths=lengths,
+        batch_size=batch_size,
     )
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    for step in steps:
-        checkpoints.check_geometry(mngr, step, params_shape)
-    gin_setup.write_operative_config(model_dir, "infer_config.gin")
-    inputs = [ex["input"] for ex in examples]
+    gin_setup.write_operative_config(paths.infer_config(model_dir))
+    folder = output_dir or paths.inference_dir(model_dir)
     written = []
-    for step in steps:
-        params = checkpoints.restore_params(mngr, step, params_shape, shardings)
-        rng = jax.random.PRNGKey(random_seed)
-        rows = []
-        for indices, batch in batches.padded_batches(ds, batch_size):
-            rng, batch_rng = jax.random.split(rng)
-            out = predict(params, batches.full_batch_to_global(batch, batch_sharding), batch_rng)
-            for i, ids in zip(indices, np.asarray(jax.device_get(out)), strict=False):
-                ex = examples[i]
-                row = {"input": ex["input"], "prediction": model.vocabulary.decode(ids.tolist())}
-                if "target" in ex:
-                    row["target"] = ex["target"]
-                rows.append(row)
-        path = os.path.join(
-            output_dir or os.path.join(model_dir, "inference"),
-            _file_name(source, step, num_examples, settings),
-        )
-        path = _own_file(path, inputs)
-        written.append(path)
-        if jax.process_index() != 0:  # every process decoded the same rows; one writes them
-            print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
-            continue
-        _write_jsonl(path, rows)
-        for row in rows[:3]:
-            print(json.dumps(row, ensure_ascii=False))
-        print(f"step {step}: wrote {len(rows)} predictions to {path}", flush=True)
+    for step in restorable.steps:
+        rows = decoder.rows(restorable.params(step), chosen)
+        written.append(chosen.predictions_path(folder, step, settings))
+        _write_predictions(written[-1], rows, step)
     return written

@@ -16,6 +16,7 @@ importers and exporters see one layout.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import sys
 import threading
@@ -31,8 +32,10 @@ from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError
 from t5tpu.model import layer_stacking
+from t5tpu.storage import model_dir as paths
 
-STEP_PREFIX = "checkpoint"
+# model_dir owns the name; this alias serves callers that still read it from here.
+STEP_PREFIX = paths.STEP_PREFIX
 ITEMS = ("params", "opt_state")
 # Saved in each checkpoint's metadata: the step before the run read its first input batch (a
 # pretrained checkpoint's step when it fine-tunes one, else 0).
@@ -48,7 +51,7 @@ def manager(
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep,
         keep_period=keep_period,
-        step_prefix=STEP_PREFIX,
+        step_prefix=paths.STEP_PREFIX,
         create=not read_only,
         read_only=read_only,
         enable_async_checkpointing=False,
@@ -68,14 +71,17 @@ def _unrolled(tree):
     return _unstack_layers(tree) if layer_stacking.is_stacked(tree) else tree
 
 
+def _step_path(mngr: ocp.CheckpointManager, step: int) -> str:
+    return paths.checkpoint_dir(str(mngr.directory), step)
+
+
 def _step_dir(mngr: ocp.CheckpointManager, step: int) -> epath.Path:
-    return epath.Path(mngr.directory) / f"{STEP_PREFIX}_{step}"
+    return epath.Path(_step_path(mngr, step))
 
 
 def input_position_path(mngr: ocp.CheckpointManager, step: int) -> str:
-    """Where this process keeps the input stream's position at `step` (data.InputStream.save):
-    inside checkpoint_<step>, so it goes when orbax deletes that checkpoint."""
-    return str(_step_dir(mngr, step) / "input_position" / f"process_{jax.process_index()}")
+    """Where this process keeps the input stream's position at `step` (data.InputStream.save)."""
+    return paths.input_position(_step_path(mngr, step), jax.process_index())
 
 
 def check_save_dtype(dtype: str) -> None:
@@ -100,8 +106,9 @@ def save(
         if _incomplete_reason(step_dir, ITEMS) is None:
             return  # already saved at this step (e.g. the final save right after a periodic one)
         # Damaged, so skipped on restore; kept under another name, since it may be worth a look.
-        step_dir.rename(step_dir.with_name(f"{step_dir.name}.incomplete"))
-        print(f"t5tpu: warning: moved {step_dir} aside to {step_dir.name}.incomplete")
+        aside = paths.incomplete_checkpoint_name(step)
+        step_dir.rename(step_dir.with_name(aside))
+        print(f"t5tpu: warning: moved {step_dir} aside to {aside}")
         mngr.reload()
     # Together: the parameters tell the depth of stacks whose moments are all placeholders.
     params, opt_state = _unrolled((params, opt_state))
@@ -154,7 +161,8 @@ def _incomplete_reason(step_dir: epath.Path, items) -> str | None:
 
 def params_readable(model_dir: str, step: int) -> bool:
     """Whether checkpoint `step` still has its parameters; no manager, so no host sync."""
-    return _incomplete_reason(epath.Path(model_dir) / f"{STEP_PREFIX}_{step}", ("params",)) is None
+    step_dir = epath.Path(paths.checkpoint_dir(model_dir, step))
+    return _incomplete_reason(step_dir, ("params",)) is None
 
 
 def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
@@ -210,17 +218,25 @@ def follow_steps(
             return
 
 
-def resume_point(model_dir: str) -> tuple[int, int | None] | None:
-    """(step, input_start_step) of the newest complete checkpoint in `model_dir`, None if there
-    is none; creates nothing. input_start_step is None in checkpoints saved before t5tpu
-    recorded it."""
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """The newest complete checkpoint of a run, which training continues from."""
+
+    step: int
+    # See INPUT_START_STEP; None in checkpoints saved before t5tpu recorded it.
+    input_start_step: int | None
+
+
+def resume_point(model_dir: str) -> ResumePoint | None:
+    """The newest complete checkpoint in `model_dir`, None if there is none; creates nothing."""
     if not epath.Path(model_dir).is_dir():
         return None
     mngr = manager(model_dir, read_only=True)
     steps = usable_steps(mngr)
     if not steps:
         return None
-    return steps[-1], mngr.metadata(steps[-1]).custom_metadata.get(INPUT_START_STEP)
+    metadata = mngr.metadata(steps[-1]).custom_metadata
+    return ResumePoint(steps[-1], metadata.get(INPUT_START_STEP))
 
 
 def _with_shardings(abstract, shardings):
@@ -268,7 +284,7 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
     )
     if differences:
         raise UserError(
-            f"checkpoint {mngr.directory}/{STEP_PREFIX}_{step} has another geometry "
+            f"checkpoint {_step_path(mngr, step)} has another geometry "
             f"({differences}); use the model gin file it was trained with"
         )
 
@@ -281,9 +297,9 @@ def _check_optimizer(mngr, step: int, unrolled_opt_state) -> None:
     )
     if differences:
         raise UserError(
-            f"checkpoint {mngr.directory}/{STEP_PREFIX}_{step} holds the state of another "
+            f"checkpoint {_step_path(mngr, step)} holds the state of another "
             f"optimizer or optimizer settings ({differences}); resume with those of its "
-            "config.gin, or fine-tune from its parameters in a new MODEL_DIR with "
+            f"{paths.TRAIN_CONFIG}, or fine-tune from its parameters in a new MODEL_DIR with "
             "INITIAL_CHECKPOINT_PATH"
         )
 

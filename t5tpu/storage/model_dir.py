@@ -9,7 +9,7 @@
       model.gin                      the model's geometry (written by `t5tpu convert`)
       train/, eval/, eval_<split>/   TensorBoard events
       eval_metrics.json, eval_<split>_metrics.json
-      inference/<source>-<step>.jsonl
+      inference/<source>-<step>.jsonl  (runners/prediction_files.py adds the decoding settings)
 
 Runners, the checkpoint code and the tools build paths with these functions rather than
 spelling the names, so the layout can be read (and changed) here.
@@ -41,6 +41,12 @@ def checkpoint_dir(model_dir: str, step: int) -> str:
     return os.path.join(model_dir, checkpoint_name(step))
 
 
+def incomplete_checkpoint_name(step: int) -> str:
+    """Where a damaged checkpoint_<step> is moved aside: orbax never lists it, and it stays for
+    a look."""
+    return f"{checkpoint_name(step)}{INCOMPLETE_SUFFIX}"
+
+
 def step_of(path: str) -> int | None:
     """The step of a checkpoint_<step> directory path (a trailing slash allowed), else None."""
     match = _STEP_DIR.fullmatch(os.path.basename(path.rstrip("/")))
@@ -57,6 +63,22 @@ def kept_train_config(first_step: int) -> str:
     """The name an earlier training config is kept under when a resume at `first_step` changes
     the settings."""
     return f"config_to_step_{first_step}.gin"
+
+
+def kept_train_config_path(model_dir: str, first_step: int) -> str:
+    return os.path.join(model_dir, kept_train_config(first_step))
+
+
+def train_config(model_dir: str) -> str:
+    return os.path.join(model_dir, TRAIN_CONFIG)
+
+
+def eval_config(model_dir: str) -> str:
+    return os.path.join(model_dir, EVAL_CONFIG)
+
+
+def infer_config(model_dir: str) -> str:
+    return os.path.join(model_dir, INFER_CONFIG)
 
 
 def eval_run(split: str) -> str:

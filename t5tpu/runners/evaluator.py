@@ -1,0 +1,152 @@
+"""TaskEvaluator: a task's seqio metrics for given parameters, recorded in MODEL_DIR.
+
+`t5tpu eval` runs it for the checkpoints it restores and `t5tpu train` between steps
+(EVAL_PERIOD). Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json,
+which maps step -> task -> metric (and the task's num_examples); a new evaluation of a task at a
+step replaces that task's entry and keeps every other. Splits other than 'validation' are kept
+apart (storage.model_dir.eval_run).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import jax
+import numpy as np
+import seqio
+import tensorflow as tf
+from clu import metric_writers
+
+from t5tpu.data import batches, pipeline
+from t5tpu.errors import UserError
+from t5tpu.model import decoding
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.partitioning import Partitioner
+from t5tpu.storage import model_dir as paths
+
+
+def recorded_metrics(path: str) -> dict:
+    """{step: {task: metrics}} as written so far; {} before the first evaluation."""
+    if not tf.io.gfile.exists(path):
+        return {}
+    with tf.io.gfile.GFile(path) as f:
+        return json.load(f)
+
+
+def _write_atomically(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        f.write(text)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+
+
+def _scalars(metrics: dict) -> dict:
+    """A task's metrics without the ones that are not numbers (a metric function may return
+    texts or histograms too)."""
+    return {name: value for name, value in metrics.items() if np.ndim(value) == 0}
+
+
+class TaskEvaluator:
+    """Runs a task's (or mixture's) seqio metrics for given parameters and records them."""
+
+    def __init__(
+        self,
+        *,
+        model: EncoderDecoderModel,
+        task_name: str,
+        task_feature_lengths,
+        split: str,
+        batch_size: int,
+        partitioner: Partitioner,
+        param_shardings,
+        model_dir: str,
+        num_examples: int | None = None,
+        settings: decoding.DecodingSettings,
+    ):
+        self.batch_size = batch_size
+        self.metrics_file = paths.eval_metrics(model_dir, split)
+        target_length = pipeline.model_lengths(task_feature_lengths)[1]
+        self.evaluator = _seqio_evaluator(task_name, task_feature_lengths, split, num_examples)
+        self.batch_sharding = partitioner.batch_sharding()
+        # Every host reads the whole eval set and needs every result: replicated outputs.
+        with_sharding = dict(
+            in_shardings=(param_shardings, self.batch_sharding),
+            out_shardings=partitioner.replicated(),
+        )
+        self._predict = partitioner.jit(
+            lambda p, b: model.predict(p, b, target_length, settings=settings), **with_sharding
+        )
+        self._score = partitioner.jit(model.score, **with_sharding)
+        self.writer = metric_writers.create_default_writer(
+            paths.eval_summaries(model_dir, split), just_logging=jax.process_index() > 0
+        )
+
+    def _run(self, ds: tf.data.Dataset, fn, params) -> list:
+        results = []
+        for indices, features in batches.padded_batches(ds, self.batch_size):
+            real = len(indices)
+            batch = batches.full_batch_to_global(
+                {k: v for k, v in features.items() if k.startswith(("encoder_", "decoder_"))},
+                self.batch_sharding,
+            )
+            out = np.asarray(jax.device_get(fn(params, batch)))[:real]
+            results.extend(zip(indices.tolist(), out.tolist(), strict=True))
+        return results
+
+    def __call__(self, params, step: int) -> dict:
+        start = time.time()
+        future, _ = self.evaluator.evaluate(
+            compute_metrics=jax.process_index() == 0,
+            step=step,
+            predict_fn=lambda ds: self._run(ds, self._predict, params),
+            score_fn=lambda ds: self._run(ds, self._score, params),
+        )
+        took = f"eval at step {step} ({time.time() - start:.1f}s)"
+        if jax.process_index() != 0:  # seqio computes the metrics on process 0 only
+            print(f"{took}: done; process 0 has the metrics", flush=True)
+            return {}
+        metrics = future.result()
+        self._record(step, metrics)
+        print(f"{took}: {metrics}", flush=True)
+        return metrics
+
+    def _record(self, step: int, metrics: dict) -> None:
+        self.writer.write_scalars(
+            step,
+            {
+                f"{task}/{name}": value
+                for task, values in metrics.items()
+                for name, value in _scalars(values).items()
+            },
+        )
+        self.writer.flush()
+        recorded = recorded_metrics(self.metrics_file)
+        datasets = self.evaluator.cached_task_datasets
+        recorded.setdefault(str(step), {}).update(
+            {
+                task: {name: float(v) for name, v in _scalars(values).items()}
+                | {"num_examples": int(datasets[task].cardinality())}
+                for task, values in metrics.items()
+            }
+        )
+        _write_atomically(self.metrics_file, json.dumps(recorded, indent=2, sort_keys=True))
+
+
+def _seqio_evaluator(
+    task_name: str, task_feature_lengths, split: str, num_examples: int | None
+) -> seqio.Evaluator:
+    evaluator = seqio.Evaluator(
+        task_name,
+        pipeline.feature_converter(pack=False),
+        eval_split=split,
+        sequence_length=dict(task_feature_lengths),
+        num_examples=num_examples,
+        logger_cls=(),
+    )
+    if not evaluator.eval_tasks:
+        raise UserError(
+            f"nothing to evaluate: no task of {task_name!r} has a {split!r} split and "
+            "metrics; set EVAL_SPLIT to a split the task has"
+        )
+    return evaluator

@@ -1,0 +1,81 @@
+"""The files `t5tpu infer` writes: one JSONL file of predictions per checkpoint step, in
+MODEL_DIR/inference (storage.model_dir.inference_dir) unless `infer.output_dir` says otherwise,
+named by the settings that change the predictions (file_name) and never another input's
+(own_file). Each is written to a temporary name and renamed, so an interrupted run never leaves
+a half-written result in its place.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+
+import tensorflow as tf
+
+from t5tpu.model import decoding
+
+
+def file_name(
+    source: str,
+    step: int,
+    num_examples: int | None,
+    settings: decoding.DecodingSettings,
+) -> str:
+    """<source>-<step>[-first<N>][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl.
+
+    Every setting that changes the predictions is in the name, so decoding the same inputs
+    another way never replaces earlier predictions, while the same command (deterministic, seed
+    included) rewrites its own file. Greedy decoding of every input keeps the plain name."""
+    name = f"{source}-{step}"
+    if num_examples is not None:
+        name += f"-first{num_examples}"
+    if settings.num_beams > 1:
+        name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
+    elif settings.samples:
+        top = f"-top{settings.top_k}" if settings.top_k else ""
+        name += f"-temp{settings.temperature:g}{top}-seed{settings.seed}"
+    return f"{name}.jsonl"
+
+
+def _inputs_in(path: str) -> list[str] | None:
+    """The inputs of a predictions file, in order; None when it is not one."""
+    try:
+        with tf.io.gfile.GFile(path) as f:
+            return [json.loads(line)["input"] for line in f if line.strip()]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
+def own_file(path: str, inputs: list[str]) -> str:
+    """`path`, unless it holds the predictions of other inputs (an input file of the same name
+    in another folder, other INFER_INPUTS): then the first of <name>.2.jsonl, <name>.3.jsonl,
+    ... that is free or holds these inputs' predictions. Rerunning a command rewrites its own
+    file; another input's predictions are never replaced."""
+    stem, ext = os.path.splitext(path)
+    for n in itertools.count(1):
+        candidate = path if n == 1 else f"{stem}.{n}{ext}"
+        if not tf.io.gfile.exists(candidate) or _inputs_in(candidate) == inputs:
+            return candidate
+
+
+def predictions_path(
+    folder: str,
+    source: str,
+    step: int,
+    *,
+    num_examples: int | None,
+    settings: decoding.DecodingSettings,
+    inputs: list[str],
+) -> str:
+    """Where the predictions of `inputs` at `step` go in `folder` (see the module docstring)."""
+    return own_file(os.path.join(folder, file_name(source, step, num_examples, settings)), inputs)
+
+
+def write_jsonl(path: str, rows: list[dict]) -> None:
+    tf.io.gfile.makedirs(os.path.dirname(path))
+    tmp = f"{path}.tmp"
+    with tf.io.gfile.GFile(tmp, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tf.io.gfile.rename(tmp, path, overwrite=True)
