@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from t5tpu import partitioning
 from t5tpu.model.network import T5Config
-from t5tpu.planning.memory_plan import boxed_params
+from t5tpu.planning.placements import boxed_params
 from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

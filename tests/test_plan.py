@@ -20,7 +20,7 @@ from fake_devices import run_script_on_eight_devices
 from t5tpu import package_files, partitioning
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
-from t5tpu.planning import memory_plan
+from t5tpu.planning import knobs, memory_plan, placements
 from t5tpu.runners import plan as plan_runner
 from t5tpu.training import optim
 
@@ -105,7 +105,7 @@ def test_parameter_and_optimizer_bytes_are_exact():
     config = T5Config(**TINY)
     plan = _plan(config, memory_plan.Workload(8, 32, 8))
     assert plan.params == 1_050_368 * 4  # the tiny model's parameter count, float32
-    params = nn.unbox(memory_plan.boxed_params(config, 32, 8))
+    params = nn.unbox(placements.boxed_params(config, 32, 8))
     opt_state = jax.eval_shape(optim.adafactor().init, params)
     assert plan.opt_state == sum(
         np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(opt_state)
@@ -127,14 +127,14 @@ def test_plan_says_what_to_turn_when_activations_do_not_fit():
     work = memory_plan.Workload(256, 512, 64)
     plan = _plan(config, work, devices=8, hbm_gib=0.25)
     assert plan.fits is False and plan.peak_phase == "start of the backward pass"
-    knobs = memory_plan.knobs(plan, optim.adafactor(), partitioning.Partitioner(1))
-    settings = [k.setting for k in knobs]
+    found = knobs.ranked(plan, optim.adafactor(), partitioning.Partitioner(1))
+    settings = [k.setting for k in found]
     assert "T5Config.remat_policy = 'full'" in settings
     assert any(s.startswith("NUM_MICROBATCHES = ") for s in settings)
-    assert all(k.plan.peak < plan.peak for k in knobs)
-    assert knobs[0].fits and knobs[0].plan.fits
+    assert all(k.plan.peak < plan.peak for k in found)
+    assert found[0].fits and found[0].plan.fits
     # remat and microbatches shrink only the activations; parameters stay.
-    remat = knobs[settings.index("T5Config.remat_policy = 'full'")].plan
+    remat = found[settings.index("T5Config.remat_policy = 'full'")].plan
     # With two layers per stack, remat keeps one recomputed layer (both score tensors live)
     # instead of both layers' kept tensors (one score tensor each on TPU): 0.73 of them here.
     assert remat.activations < 0.75 * plan.activations and remat.params == plan.params
@@ -246,7 +246,7 @@ def test_the_compiled_peak_decides_the_verdict():
     # the estimate here), not against the HBM the estimate already fits.
     budget = plan_runner.knob_budget(plan, compiled)
     assert budget == pytest.approx(0.8 * plan.peak, rel=1e-6)
-    options = memory_plan.knobs(plan, optim.adafactor(), partitioning.Partitioner(1), budget)
+    options = knobs.ranked(plan, optim.adafactor(), partitioning.Partitioner(1), budget)
     assert any(not k.fits for k in options) and any(k.fits for k in options)
     assert all(k.fits == (k.plan.peak <= budget) for k in options)
     text = plan_runner.report(plan, options, compiled)

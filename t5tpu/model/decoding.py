@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, NamedTuple
 
 import flax.linen as nn
 import jax
@@ -207,6 +208,109 @@ def _top_hypotheses(scores: Array, tokens: Array, k: int) -> tuple[Array, Array]
     return best, jnp.take_along_axis(tokens, index[:, :, None], axis=1)
 
 
+class _Beams(NamedTuple):
+    """Beam search's loop state: per example, `num_beams` live and finished hypotheses."""
+
+    position: Array  # the position being decoded
+    cache: Any  # the decoder's attention caches (self-attention rows per hypothesis)
+    token: Array  # [batch * beams] the last token of each live hypothesis
+    live: Array  # [batch, beams, max_length] the live hypotheses' tokens
+    live_scores: Array  # [batch, beams] their summed log-probabilities
+    finished: Array  # [batch, beams, max_length] the best finished hypotheses, best first
+    finished_scores: Array  # [batch, beams] their length-normalized scores (-inf: none yet)
+
+
+@dataclasses.dataclass(frozen=True)
+class _BeamSearch:
+    """One beam search's fixed inputs and its loop's step and stopping rule."""
+
+    module: nn.Module
+    params: Any
+    encoded: Array
+    encoder_tokens: Array  # the encoder's tokens, repeated per beam (for the masks)
+    max_length: int
+    eos_id: int
+    num_beams: int
+    alpha: float
+
+    def start(self, cache, batch: int) -> _Beams:
+        empty = jnp.zeros((batch, self.num_beams, self.max_length), jnp.int32)
+        # All beams start from the same empty prefix: only the first one is live, so the first
+        # step does not produce num_beams copies of each extension.
+        first_live = jnp.where(jnp.arange(self.num_beams) == 0, 0.0, -jnp.inf)
+        return _Beams(
+            position=jnp.int32(0),
+            cache=cache,
+            token=jnp.zeros((batch * self.num_beams,), jnp.int32),
+            live=empty,
+            live_scores=jnp.broadcast_to(first_live, (batch, self.num_beams)).astype(jnp.float32),
+            finished=empty,
+            finished_scores=jnp.full((batch, self.num_beams), -jnp.inf, jnp.float32),
+        )
+
+    def not_finished(self, beams: _Beams) -> Array:
+        # Log-probabilities only fall as a hypothesis grows, so the best a live beam can still
+        # reach is its score under the largest penalty of any length it may end at.
+        final_penalty = length_penalty(self.max_length, self.alpha)
+        largest_penalty = jnp.maximum(length_penalty(beams.position + 1, self.alpha), final_penalty)
+        best_reachable = beams.live_scores[:, 0] / largest_penalty
+        settled = beams.finished_scores[:, -1] >= best_reachable
+        return (beams.position < self.max_length) & ~jnp.all(settled)
+
+    def step(self, beams: _Beams) -> _Beams:
+        """Extends every live hypothesis by every token and keeps the best of each kind."""
+        logits, cache = _decoder_step(
+            self.module,
+            self.params,
+            beams.cache,
+            self.encoded,
+            self.encoder_tokens,
+            beams.token,
+            beams.position,
+        )
+        batch = beams.live.shape[0]
+        log_probs = jax.nn.log_softmax(logits).reshape(batch, self.num_beams, -1)
+        candidates = beams.live_scores[:, :, None] + log_probs  # [batch, beams, vocab]
+        pool = [(beams.finished_scores, beams.finished)]
+        if self.eos_id >= 0:
+            pool.append(self._ended_by_eos(candidates, beams))
+            candidates = candidates.at[:, :, self.eos_id].set(-jnp.inf)
+        live_scores, flat_index = jax.lax.top_k(candidates.reshape(batch, -1), self.num_beams)
+        vocab = candidates.shape[-1]
+        parent, next_token = flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
+        live = jnp.take_along_axis(beams.live, parent[:, :, None], axis=1)
+        live = live.at[:, :, beams.position].set(next_token)
+        # At the last position every live hypothesis is finished by length.
+        at_end = beams.position + 1 == self.max_length
+        final_penalty = length_penalty(self.max_length, self.alpha)
+        pool.append((jnp.where(at_end, live_scores / final_penalty, -jnp.inf), live))
+        finished_scores, finished = _top_hypotheses(
+            jnp.concatenate([scores for scores, _ in pool], axis=1),
+            jnp.concatenate([tokens for _, tokens in pool], axis=1),
+            self.num_beams,
+        )
+        return _Beams(
+            position=beams.position + 1,
+            cache=_reorder_beams(cache, parent),
+            token=next_token.reshape(-1),
+            live=live,
+            live_scores=live_scores,
+            finished=finished,
+            finished_scores=finished_scores,
+        )
+
+    def _ended_by_eos(self, candidates: Array, beams: _Beams) -> tuple[Array, Array]:
+        """(scores, tokens) of the hypotheses EOS finishes at this step: those whose EOS
+        extension ranks among the step's num_beams best extensions (so one beam is exactly
+        greedy decoding when alpha is 0); -inf for the others."""
+        batch = candidates.shape[0]
+        kth_best = jax.lax.top_k(candidates.reshape(batch, -1), self.num_beams)[0][:, -1:]
+        ending = candidates[:, :, self.eos_id]
+        penalty = length_penalty(beams.position + 1, self.alpha)
+        scores = jnp.where(ending >= kth_best, ending / penalty, -jnp.inf)
+        return scores, beams.live.at[:, :, beams.position].set(self.eos_id)
+
+
 def beam_search(
     module: nn.Module,
     params,
@@ -227,71 +331,20 @@ def beam_search(
     live hypothesis can still beat an example's worst kept finished one.
     `eos_id < 0` means no token ends a hypothesis (every one runs to max_decode_length).
     """
-    batch = encoder_input_tokens.shape[0]
-    rows = batch * num_beams
     # The encoder and the cross-attention keys/values are computed and kept once per example:
     # the attention layers let an example's beams share them. Self-attention caches are per beam.
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
-    cache = _expand_to_beams(cache, num_beams, only=_is_self_attention_cache)
-    encoder_tokens = jnp.repeat(encoder_input_tokens, num_beams, axis=0)  # for the masks
-    final_penalty = length_penalty(max_decode_length, alpha)
-    neg_inf = jnp.float32(-jnp.inf)
-
-    def step(state):
-        position, cache, token, live, live_scores, finished, finished_scores = state
-        logits, cache = _decoder_step(
-            module, params, cache, encoded, encoder_tokens, token, position
-        )
-        log_probs = jax.nn.log_softmax(logits).reshape(batch, num_beams, -1)
-        candidates = live_scores[:, :, None] + log_probs  # [batch, beams, vocab]
-        vocab = candidates.shape[-1]
-        length = position + 1
-        pool_scores, pool_tokens = [finished_scores], [finished]
-        if eos_id >= 0:
-            # An EOS extension finishes a hypothesis if it ranks among this step's num_beams
-            # best extensions (so one beam is exactly greedy decoding when alpha is 0).
-            kth_best = jax.lax.top_k(candidates.reshape(batch, -1), num_beams)[0][:, -1:]
-            ending = candidates[:, :, eos_id]
-            ending = jnp.where(ending >= kth_best, ending / length_penalty(length, alpha), neg_inf)
-            pool_scores.append(ending)
-            pool_tokens.append(live.at[:, :, position].set(eos_id))
-            candidates = candidates.at[:, :, eos_id].set(neg_inf)
-        live_scores, flat_index = jax.lax.top_k(candidates.reshape(batch, -1), num_beams)
-        parent, next_token = flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
-        live = jnp.take_along_axis(live, parent[:, :, None], axis=1)
-        live = live.at[:, :, position].set(next_token)
-        cache = _reorder_beams(cache, parent)
-        # At the last position every live hypothesis is finished by length.
-        at_end = length == max_decode_length
-        pool_scores.append(jnp.where(at_end, live_scores / final_penalty, neg_inf))
-        pool_tokens.append(live)
-        finished_scores, finished = _top_hypotheses(
-            jnp.concatenate(pool_scores, axis=1), jnp.concatenate(pool_tokens, axis=1), num_beams
-        )
-        token = next_token.reshape(rows)
-        return position + 1, cache, token, live, live_scores, finished, finished_scores
-
-    def not_finished(state):
-        position, _, _, _, live_scores, _, finished_scores = state
-        # Log-probabilities only fall as a hypothesis grows, so the best a live beam can still
-        # reach is its score under the largest penalty of any length it may end at.
-        largest_penalty = jnp.maximum(length_penalty(position + 1, alpha), final_penalty)
-        best_reachable = live_scores[:, 0] / largest_penalty
-        settled = finished_scores[:, -1] >= best_reachable
-        return (position < max_decode_length) & ~jnp.all(settled)
-
-    empty = jnp.zeros((batch, num_beams, max_decode_length), jnp.int32)
-    # All beams start from the same empty prefix: only the first one is live, so the first
-    # step does not produce num_beams copies of each extension.
-    first_live = jnp.where(jnp.arange(num_beams) == 0, 0.0, neg_inf)
-    start = (
-        jnp.int32(0),
-        cache,
-        jnp.zeros((rows,), jnp.int32),
-        empty,
-        jnp.broadcast_to(first_live, (batch, num_beams)).astype(jnp.float32),
-        empty,
-        jnp.full((batch, num_beams), neg_inf, jnp.float32),
+    search = _BeamSearch(
+        module=module,
+        params=params,
+        encoded=encoded,
+        encoder_tokens=jnp.repeat(encoder_input_tokens, num_beams, axis=0),
+        max_length=max_decode_length,
+        eos_id=eos_id,
+        num_beams=num_beams,
+        alpha=alpha,
     )
-    *_, finished, finished_scores = jax.lax.while_loop(not_finished, step, start)
-    return finished[:, 0], finished_scores[:, 0]
+    cache = _expand_to_beams(cache, num_beams, only=_is_self_attention_cache)
+    start = search.start(cache, batch=encoder_input_tokens.shape[0])
+    beams = jax.lax.while_loop(search.not_finished, search.step, start)
+    return beams.finished[:, 0], beams.finished_scores[:, 0]

@@ -269,17 +269,12 @@ class Decoder(nn.Module):
             name="relpos_bias",
         )
         if decode and self.has_variable("cache", "max_length"):
-            # One step: query at decode_position against every cached key position.
             max_length = self.get_variable("cache", "max_length").shape[0]
-            key_positions = jnp.arange(max_length)
-            position_bias = relpos(decode_position[None], key_positions)
-            visible = (key_positions <= decode_position)[None, None, None, :]
-            self_bias = (position_bias, _bias_from_mask(visible))
+            self_bias = _one_step_self_bias(relpos, decode_position, max_length)
             decoder_ok = jnp.ones_like(decoder_input_tokens, jnp.bool_)
         else:
             if decode:  # cache creation: remember the length the cache was made for
                 self.variable("cache", "max_length", jnp.zeros, (length,), jnp.int8)
-            positions = jnp.arange(length)
             # Position 0 holds the start token (id 0), so "real" is judged by segment ids when
             # packed, and every position counts otherwise (the loss weights drop the padding).
             decoder_ok = (
@@ -287,14 +282,7 @@ class Decoder(nn.Module):
                 if decoder_segment_ids is not None
                 else (jnp.ones_like(decoder_input_tokens, jnp.bool_))
             )
-            mask = _attention_mask(
-                decoder_ok,
-                decoder_ok,
-                causal=True,
-                query_segments=decoder_segment_ids,
-                key_segments=decoder_segment_ids,
-            )
-            self_bias = (relpos(positions, positions), _bias_from_mask(mask))
+            self_bias = _causal_self_bias(relpos, decoder_ok, decoder_segment_ids)
         cross_mask = _attention_mask(
             decoder_ok,
             encoder_ok,
@@ -312,18 +300,36 @@ class Decoder(nn.Module):
         y = stack(y, encoded, self_bias, cross_bias, deterministic, decode, decode_position)
         y = layers.RMSNorm(dtype=cfg.activation_dtype, name="decoder_norm")(y)
         y = dropout(y, deterministic)
-        if cfg.logits_via_embedding:
-            # T5 1.0 ties the output layer to the embedding and rescales by 1/sqrt(d_model).
-            logits = self.shared_embedding.attend(y) / jnp.sqrt(y.shape[-1]).astype(y.dtype)
-        else:
-            logits = layers.DenseGeneral(
-                (cfg.vocab_size,),
-                ("embed", "vocab"),
-                dtype=cfg.activation_dtype,
-                name="logits_dense",
-            )(y)
+        logits = _output_logits(cfg, self.shared_embedding, y)
         logits = layers.constrain(logits, ("batch", "length", "vocab"))
         return logits.astype(jnp.float32)
+
+
+def _one_step_self_bias(relpos: nn.Module, decode_position, max_length: int):
+    """Decoding one token: the query at `decode_position` sees every cached position up to it."""
+    key_positions = jnp.arange(max_length)
+    position_bias = relpos(decode_position[None], key_positions)
+    visible = (key_positions <= decode_position)[None, None, None, :]
+    return position_bias, _bias_from_mask(visible)
+
+
+def _causal_self_bias(relpos: nn.Module, decoder_ok, segment_ids):
+    """The whole target at once: each position sees itself and the ones before, in its segment."""
+    positions = jnp.arange(decoder_ok.shape[1])
+    mask = _attention_mask(
+        decoder_ok, decoder_ok, causal=True, query_segments=segment_ids, key_segments=segment_ids
+    )
+    return relpos(positions, positions), _bias_from_mask(mask)
+
+
+def _output_logits(cfg: T5Config, shared_embedding: nn.Module, y):
+    """The output layer, made inside the calling Decoder (so its parameters are the Decoder's)."""
+    if cfg.logits_via_embedding:
+        # T5 1.0 ties the output layer to the embedding and rescales by 1/sqrt(d_model).
+        return shared_embedding.attend(y) / jnp.sqrt(y.shape[-1]).astype(y.dtype)
+    return layers.DenseGeneral(
+        (cfg.vocab_size,), ("embed", "vocab"), dtype=cfg.activation_dtype, name="logits_dense"
+    )(y)
 
 
 class Transformer(nn.Module):

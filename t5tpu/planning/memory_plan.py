@@ -25,6 +25,7 @@ from jax.sharding import PartitionSpec
 
 from t5tpu import partitioning
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.planning.placements import Placement, boxed_params, opt_state_bytes, placements
 
 GiB = partitioning.GiB
 
@@ -34,17 +35,6 @@ CPU, TPU = "cpu", "tpu"
 def compiler_for(topology: partitioning.Topology) -> str:
     """The XLA compiler that builds the step on this topology: CPU for 'cpu', else TPU's."""
     return CPU if topology.name == "cpu" else TPU
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """One parameter: its logical axes, mesh sharding and bytes on each device."""
-
-    name: str
-    shape: tuple[int, ...]
-    logical_axes: tuple
-    spec: PartitionSpec
-    bytes_per_device: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,69 +126,6 @@ class MemoryPlan:
     @property
     def fits(self) -> bool | None:
         return None if self.hbm is None else self.peak <= self.hbm
-
-
-def bytes_per_device(shape, dtype, spec: PartitionSpec, mesh: dict[str, int]) -> int:
-    """Bytes of the largest shard of an array (shardings here always divide evenly)."""
-    count = partitioning.shard_count(spec, mesh)
-    return math.ceil(math.prod(shape) / count) * jnp.dtype(dtype).itemsize
-
-
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
-
-
-@functools.lru_cache(maxsize=8)
-def boxed_params(config: T5Config, input_length: int, target_length: int):
-    """Parameter shapes with their logical axes, from the network alone (no vocabulary file)."""
-    module = Transformer(config)
-    encoder = jnp.ones((1, input_length), jnp.int32)
-    decoder = jnp.ones((1, target_length), jnp.int32)
-    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), encoder, decoder))["params"]
-
-
-def placements(boxed, rules, mesh: dict[str, int]) -> list[Placement]:
-    import flax.linen as nn
-
-    logical = nn.get_partition_spec(boxed)
-    shapes = nn.unbox(boxed)
-    specs = partitioning.param_specs(boxed, rules, mesh)
-    is_spec = {"is_leaf": lambda x: isinstance(x, PartitionSpec)}
-    rows = []
-    for (path, leaf), axes, spec in zip(
-        jax.tree_util.tree_flatten_with_path(shapes)[0],
-        jax.tree_util.tree_leaves(logical, **is_spec),
-        jax.tree_util.tree_leaves(specs, **is_spec),
-        strict=True,
-    ):
-        rows.append(
-            Placement(
-                _path_name(path),
-                tuple(leaf.shape),
-                tuple(axes),
-                spec,
-                bytes_per_device(leaf.shape, leaf.dtype, spec, mesh),
-            )
-        )
-    return rows
-
-
-def opt_state_bytes(optimizer, boxed, rules, mesh: dict[str, int]) -> int:
-    import flax.linen as nn
-
-    params = nn.unbox(boxed)
-    abstract = jax.eval_shape(optimizer.init, params)
-    specs = partitioning.opt_state_specs(
-        abstract, params, partitioning.param_specs(boxed, rules, mesh)
-    )
-    return sum(
-        bytes_per_device(leaf.shape, leaf.dtype, spec, mesh)
-        for leaf, spec in zip(
-            jax.tree_util.tree_leaves(abstract),
-            jax.tree_util.tree_leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec)),
-            strict=True,
-        )
-    )
 
 
 class _Activations:
@@ -457,84 +384,3 @@ def plan_training(
         batch=batch,
         compiler=compiler,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class Knob:
-    """One change to the run (as the gin binding that makes it) and the plan it leads to."""
-
-    setting: str
-    plan: MemoryPlan
-    fits: bool  # its estimated peak is within the budget it was judged against
-
-
-def _candidate_changes(plan: MemoryPlan, rules) -> list[tuple[str, dict]]:
-    """(gin binding, replan arguments) for every change t5tpu can make on the same slice."""
-    w, c, mesh = plan.workload, plan.config, plan.mesh
-    devices = mesh["data"] * mesh["model"]
-    changes = [
-        (f"Partitioner.num_partitions = {parts}", {"num_partitions": parts})
-        for parts in _divisors_above(devices, mesh["model"])
-    ]
-    if mesh["data"] > 1 and tuple(rules) == partitioning.standard_logical_axis_rules():
-        changes.append(
-            (
-                "standard_logical_axis_rules.parameter_partitioning = '2d' (parameters, gradients "
-                "and optimizer state sharded over 'data' too)",
-                {"rules": partitioning.standard_logical_axis_rules("2d", "1d")},
-            )
-        )
-    for micro in _divisors_above(w.batch_size // mesh["data"], w.num_microbatches):
-        changes.append(
-            (
-                f"NUM_MICROBATCHES = {micro}",
-                {"work": dataclasses.replace(w, num_microbatches=micro)},
-            )
-        )
-    if c.remat_policy != "full":
-        changes.append(
-            (
-                "T5Config.remat_policy = 'full'",
-                {"config": dataclasses.replace(c, remat_policy="full")},
-            )
-        )
-    if c.dtype != "bfloat16":
-        changes.append(
-            ("T5Config.dtype = 'bfloat16'", {"config": dataclasses.replace(c, dtype="bfloat16")})
-        )
-    return changes
-
-
-def knobs(
-    plan: MemoryPlan, optimizer, partitioner: partitioning.Partitioner, budget: int | None = None
-) -> list[Knob]:
-    """The changes that lower the peak on the same slice, lowest peak first: per kind of
-    change the smallest one that fits (an estimated peak within `budget`, by default the
-    chip's HBM), else the one that saves the most."""
-    budget = plan.hbm if budget is None else budget
-    devices = plan.mesh["data"] * plan.mesh["model"]
-    best: dict[str, Knob] = {}
-    for setting, change in _candidate_changes(plan, partitioner.rules):
-        candidate = partitioning.Partitioner(
-            change.get("num_partitions", partitioner.num_partitions),
-            change.get("rules", partitioner.rules),
-            plan.topology,
-        )
-        new = plan_training(
-            change.get("config", plan.config),
-            optimizer,
-            candidate,
-            change.get("work", plan.workload),
-            devices,
-        )
-        if new.peak > 0.98 * plan.peak:
-            continue  # saves (almost) nothing: the peak is elsewhere
-        kind = setting.split("=")[0]
-        known = best.get(kind)
-        if known is None or (not known.fits and new.peak < known.plan.peak):
-            best[kind] = Knob(setting, new, budget is not None and new.peak <= budget)
-    return sorted(best.values(), key=lambda k: k.plan.peak)
-
-
-def _divisors_above(n: int, current: int) -> list[int]:
-    return [d for d in range(current + 1, n + 1) if n % d == 0]

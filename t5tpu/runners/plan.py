@@ -26,7 +26,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
-from t5tpu.planning import compiled_memory, memory_plan
+from t5tpu.planning import compiled_memory, knobs, memory_plan, placements
 
 
 def _train_binding(name: str):
@@ -51,7 +51,7 @@ def _unit(plan: memory_plan.MemoryPlan) -> tuple[str, int]:
 
 def _collapsed_placements(
     plan: memory_plan.MemoryPlan,
-) -> list[tuple[str, int, memory_plan.Placement]]:
+) -> list[tuple[str, int, placements.Placement]]:
     """Placements with layers_N folded into one row per parameter role: (name, count, row)."""
     rows: dict[str, list] = {}
     for p in plan.placements:
@@ -66,7 +66,7 @@ def _spec_text(spec) -> str:
 
 def report(
     plan: memory_plan.MemoryPlan,
-    options: list[memory_plan.Knob] = (),
+    options: list[knobs.Knob] = (),
     compiled: compiled_memory.CompiledMemory | None = None,
 ) -> str:
     """The plan as text: header, per-device bytes, the compiler's figures when it was asked,
@@ -220,9 +220,7 @@ def _knobs_judged(plan: memory_plan.MemoryPlan, compiled) -> str:
     )
 
 
-def knob_lines(
-    plan: memory_plan.MemoryPlan, found: list[memory_plan.Knob], compiled=None
-) -> list[str]:
+def knob_lines(plan: memory_plan.MemoryPlan, found: list[knobs.Knob], compiled=None) -> list[str]:
     name, unit = _unit(plan)
     lines = [
         f"{k.setting}: peak {k.plan.peak / unit:.2f} {name} "
@@ -282,7 +280,7 @@ def plan(
     options = []
     if fits is False:
         budget = knob_budget(result, compiled)
-        options = memory_plan.knobs(result, optimizer, partitioner, budget)
+        options = knobs.ranked(result, optimizer, partitioner, budget)
     print(report(result, options, compiled), flush=True)
     return result
 
