@@ -9,6 +9,17 @@ class UserError(Exception):
     """
 
 
+class EnvironmentFault(Exception):
+    """A fault of the machine rather than of the user's input: a full disk, a failing device
+    while writing. The command line prints `t5tpu: error: <path>: <cause>` as one line and
+    exits 1 (the input was fine: the same command may succeed once the cause is fixed)."""
+
+    def __init__(self, path: str, cause: str):
+        super().__init__(f"{path}: {cause}")
+        self.path = path
+        self.cause = cause
+
+
 def one_line_message(error: Exception) -> str:
     """The error's own message, without what gin appends.
 

@@ -16,9 +16,9 @@ import tokenize
 
 import gin
 import jax
-import tensorflow as tf
+from etils import epath
 
-from t5tpu import package_files
+from t5tpu import macro_limits, package_files
 from t5tpu.errors import UserError
 
 CONFIGURABLE_MODULES = (
@@ -39,6 +39,15 @@ CONFIGURABLE_MODULES = (
 def import_configurables() -> None:
     for module in CONFIGURABLE_MODULES:
         importlib.import_module(module)
+
+
+def _is_remote_file(path: str) -> bool:
+    return "://" in path and epath.Path(path).exists()
+
+
+# gin opens files with open(); a --gin_file=gs://... (or an include of one) is read through
+# epath, the client that reads the rest of a gs:// MODEL_DIR.
+gin.config.register_file_reader(lambda path: epath.Path(path).open(), _is_remote_file)
 
 
 def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) -> None:
@@ -66,6 +75,7 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
             raise UserError(f"cannot parse the binding `{binding}`{hint}") from None
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
+    macro_limits.check_macros()
 
 
 def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
@@ -78,7 +88,7 @@ def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
             if os.path.isabs(path) or "://" in path
             else [os.path.join(root, path) for root in roots]
         )
-        if not any(tf.io.gfile.exists(candidate) for candidate in candidates):
+        if not any(epath.Path(candidate).exists() for candidate in candidates):
             raise UserError(
                 f"gin file not found: {path} (looked in {', '.join(roots[:-1])} and the "
                 "installed configs); check the --gin_file path or add --gin_search_paths"
@@ -187,17 +197,17 @@ def write_operative_config(path: str, keep_previous_as: str | None = None) -> st
     instead of being replaced (unless that path is taken: nothing is overwritten)."""
     if jax.process_index() != 0:
         return path
-    tf.io.gfile.makedirs(os.path.dirname(path))
+    # Through epath, as everything in MODEL_DIR: TensorFlow's gs:// client is a second one that
+    # cannot be pointed elsewhere (a test's emulator) and fails where gcsfs is configured.
+    target = epath.Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
     config = gin.operative_config_str()
     if keep_previous_as:
-        _keep_if_different(path, keep_previous_as, config)
-    with tf.io.gfile.GFile(path, "w") as f:
-        f.write(config)
+        _keep_if_different(target, epath.Path(keep_previous_as), config)
+    target.write_text(config)
     return path
 
 
-def _keep_if_different(path: str, previous: str, config: str) -> None:
-    if tf.io.gfile.exists(path) and not tf.io.gfile.exists(previous):
-        with tf.io.gfile.GFile(path) as f:
-            if f.read() != config:
-                tf.io.gfile.rename(path, previous)
+def _keep_if_different(path: epath.Path, previous: epath.Path, config: str) -> None:
+    if path.exists() and not previous.exists() and path.read_text() != config:
+        path.rename(previous)

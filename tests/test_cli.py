@@ -144,13 +144,15 @@ def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_pat
 
 
 def test_continuous_eval_skips_a_checkpoint_deleted_before_it_was_read(tmp_path):
+    from t5tpu.errors import UserError
     from t5tpu.runners import evaluate
 
     # Listed, then removed by KEEP_CHECKPOINTS: gone, or half deleted.
     (tmp_path / "checkpoint_5").mkdir()
     for step in (4, 5):
         assert evaluate._restored(str(tmp_path), step, {}, {}, continuous=True) is None
-    with pytest.raises(KeyError, match="params"):  # other modes check every step beforehand
+    # Other modes check every step beforehand: one that breaks later is refused in one line.
+    with pytest.raises(UserError, match="checkpoint_5 cannot be read"):
         evaluate._restored(str(tmp_path), 5, {}, {}, continuous=False)
 
 
@@ -188,7 +190,7 @@ BAD_INPUTS = {
     ),
     "eval with zero beams": (
         ["eval", *memorize_flags("--gin.NUM_BEAMS=0")],
-        "NUM_BEAMS = 0 must be >= 1",
+        "NUM_BEAMS = 0 must be a whole number >= 1",
     ),
     "top_k above the vocabulary": (
         ["infer", *memorize_flags("--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0")],
@@ -221,7 +223,7 @@ BAD_INPUTS = {
     ),
     "fractional example count": (  # named by its macro, not evaluate's argument num_examples
         ["eval", *memorize_flags("--gin.EVAL_NUM_EXAMPLES=2.5")],
-        "EVAL_NUM_EXAMPLES = 2.5 must be a whole number",
+        "EVAL_NUM_EXAMPLES = 2.5 must be None or a whole number >= 1",
     ),
     "unquoted string": (
         ["eval", *memorize_flags("--gin.EVAL_SPLIT=train")],
@@ -237,7 +239,10 @@ BAD_INPUTS = {
         ],
         "checkpoint /no/such/checkpoint_5 does not exist",
     ),
-    "zero save period": (["train", *memorize_flags("--gin.SAVE_PERIOD=0")], "SAVE_PERIOD=0"),
+    "zero save period": (
+        ["train", *memorize_flags("--gin.SAVE_PERIOD=0")],
+        "SAVE_PERIOD = 0 must be",
+    ),
     "initial checkpoint past TRAIN_STEPS": (
         [
             "train",

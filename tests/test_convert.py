@@ -106,7 +106,8 @@ def test_hf_import_writes_a_checkpoint_and_model_gin(hf_dir, converted):
 
 
 def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_path):
-    """With a zero learning rate the first step must leave the imported weights untouched."""
+    """With a zero learning rate the first step must leave the imported weights untouched
+    (bound on the schedule itself: the LEARNING_RATE macro refuses 0 as a mistake)."""
     run = t5tpu(
         "train",
         f"--gin_file={EXPERIMENT}",
@@ -114,7 +115,7 @@ def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_p
         f"--gin.MODEL_DIR='{tmp_path}'",
         "--gin.TRAIN_STEPS=1",
         "--gin.BATCH_SIZE=4",
-        "--gin.LEARNING_RATE=0.0",
+        "--gin.constant_schedule.learning_rate=0.0",
         "--gin.EVAL_PERIOD=0",
         "--gin.TASK_FEATURE_LENGTHS={'inputs': 32, 'targets': 4}",
     )

@@ -16,6 +16,7 @@ from t5tpu import package_files
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.decoding import DecodingSettings
+from t5tpu.runners import infer as infer_runner
 from t5tpu.runners.prediction_files import file_name, own_file
 
 RUNS = package_files.configs_dir("runs")
@@ -172,13 +173,80 @@ def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
     [
         # The rest of DecodingSettings.check is tested above; TOP_K is in test_cli.py.
         (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "choose one: NUM_BEAMS = 1 to sample"),
-        (["--gin.INFER_NUM_EXAMPLES=0"], "INFER_NUM_EXAMPLES = 0 must be >= 1"),
+        (
+            ["--gin.INFER_NUM_EXAMPLES=0"],
+            "INFER_NUM_EXAMPLES = 0 must be None or a whole number >= 1",
+        ),
     ],
 )
 def test_bad_decoding_settings_are_refused_before_anything_is_written(model_dir, flags, message):
     before = files_in(model_dir)
     assert message in refused(infer(model_dir, *flags))
     assert files_in(model_dir) == before
+
+
+# --- reading INFER_INPUT_FILE and INFER_INPUTS (in-process: no model needed) ------------------
+
+
+class _CharVocabulary:
+    """One token per character, EOS 1: lengths are easy to count."""
+
+    eos_id = 1
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+
+@pytest.mark.parametrize(
+    "data, line",
+    [(b"ok\n\xff\xfe binary\n", 2), (b"one\ntwo\n\nfour\x00\n", 4), (b"\xff\xfeh\x00i\x00", 1)],
+    ids=["not-utf8", "nul", "utf16"],
+)
+def test_a_binary_input_file_is_one_user_error_with_its_line(tmp_path, data, line):
+    path = tmp_path / "inputs.txt"
+    path.write_bytes(data)
+    with pytest.raises(
+        UserError, match=re.escape(f"{path} is not a UTF-8 text file (line {line})")
+    ):
+        infer_runner._read_lines(str(path))
+
+
+def test_input_lines_keep_their_numbers_across_blank_lines_and_crlf(tmp_path):
+    path = tmp_path / "inputs.txt"
+    path.write_bytes("a?\r\n\r\nb c?\nÇa va?".encode())
+    assert infer_runner._read_lines(str(path)) == [
+        ("a?", f"line 1 of {path}"),
+        ("b c?", f"line 3 of {path}"),
+        ("Ça va?", f"line 4 of {path}"),
+    ]
+
+
+def _inputs(*lengths):
+    texts = [("x" * n, f"INFER_INPUTS[{i}]") for i, n in enumerate(lengths)]
+    examples = infer_runner._examples_from_texts(texts, _CharVocabulary(), 8)
+    return infer_runner._Inputs("inputs", examples, None)
+
+
+def test_inputs_longer_than_the_input_length_are_truncated_and_counted(capsys):
+    inputs = _inputs(7, 8, 3, 20)  # 7 + EOS fits in 8; 8 + EOS does not
+    assert [len(ex["ids"]) for ex in inputs.examples] == [8, 8, 4, 8]
+    assert all(ex["ids"][-1] == 1 for ex in inputs.examples)
+    assert inputs.overlong() == ["INFER_INPUTS[1]", "INFER_INPUTS[3]"]
+    infer_runner._check_truncation(inputs, "warn", 8)
+    assert capsys.readouterr().err == (
+        "t5tpu: warning: 2 of 4 inputs are longer than 8 tokens (TASK_FEATURE_LENGTHS['inputs']) "
+        "and were truncated (INFER_TRUNCATION='error' to refuse them)\n"
+    )
+    with pytest.raises(UserError, match=re.escape("2 of 4 inputs are longer than 8 tokens")):
+        infer_runner._check_truncation(inputs, "error", 8)
+    infer_runner._check_truncation(_inputs(7, 3), "error", 8)  # none too long: nothing said
+    assert capsys.readouterr().err == ""
+
+
+def test_infer_truncation_takes_warn_or_error():
+    infer_runner._check_settings(None, "warn")
+    with pytest.raises(UserError, match="INFER_TRUNCATION = 'cut' must be 'warn'"):
+        infer_runner._check_settings(None, "cut")
 
 
 def without_predictions(rows):
@@ -188,17 +256,19 @@ def without_predictions(rows):
 def test_infer_num_examples_decodes_the_first_examples_of_the_split(model_dir, tmp_path):
     """...into a file of its own: a partial run never replaces the full predictions."""
     name = f"qp_is_duplicate_validation-{STEPS}"
-    run = infer(model_dir, f"--gin.infer.output_dir='{tmp_path}'")
+    out = tmp_path / "inference"
+    run = infer(model_dir, f"--gin.INFER_OUTPUT_DIR='{tmp_path}'")
     assert run.returncode == 0, run.stderr[-3000:]
-    every = read_rows(tmp_path / f"{name}.jsonl")
+    every = read_rows(out / f"{name}.jsonl")
     assert len(every) == VALIDATION_PAIRS
 
-    run = infer(model_dir, "--gin.INFER_NUM_EXAMPLES=7", f"--gin.infer.output_dir='{tmp_path}'")
+    run = infer(model_dir, "--gin.INFER_NUM_EXAMPLES=7", f"--gin.INFER_OUTPUT_DIR='{tmp_path}'")
     assert run.returncode == 0, run.stderr[-3000:]
-    assert f"wrote 7 predictions to {tmp_path / name}-first7.jsonl" in run.stdout
-    first = read_rows(tmp_path / f"{name}-first7.jsonl")
+    assert f"wrote 7 predictions to {out / name}-first7.jsonl" in run.stdout
+    first = read_rows(out / f"{name}-first7.jsonl")
     assert without_predictions(first) == without_predictions(every[:7])
-    assert read_rows(tmp_path / f"{name}.jsonl") == every
+    assert read_rows(out / f"{name}.jsonl") == every
+    assert "infer.num_examples = %INFER_NUM_EXAMPLES" in (tmp_path / "infer_config.gin").read_text()
 
 
 def test_a_prediction_file_of_other_inputs_is_never_replaced(tmp_path):
@@ -217,7 +287,7 @@ def test_a_prediction_file_of_other_inputs_is_never_replaced(tmp_path):
 
 
 def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
-    out = tmp_path / "out"
+    out = tmp_path / "out" / "inference"
     for folder, lines in (("a", "Is it raining?\n"), ("b", "How do I learn jax?\nWhy?\n")):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "questions.txt").write_text(lines)
@@ -225,7 +295,7 @@ def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
         infer(
             model_dir,
             f"--gin.INFER_INPUT_FILE='{tmp_path / folder / 'questions.txt'}'",
-            f"--gin.infer.output_dir='{out}'",
+            f"--gin.INFER_OUTPUT_DIR='{tmp_path / 'out'}'",
         )
         for folder in ("a", "b", "a")
     ]

@@ -222,6 +222,30 @@ def test_unknown_header_and_missing_input_are_user_errors(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["one_split.tsv", "test.tsv"]
 
 
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR",
+        b"\xff\xfei\x00d\x00,\x00q\x00",  # UTF-16 text
+        b"id,qid1\x00,qid2\n",  # NULs in UTF-8
+    ],
+    ids=["png", "utf16", "nul"],
+)
+def test_a_binary_input_is_a_user_error_naming_it_and_writes_nothing(data, tmp_path):
+    source = tmp_path / "train.csv"
+    source.write_bytes(data)
+    with pytest.raises(UserError, match=f"--input={source} is not a text file"):
+        quora_csv.prepare(str(source), str(tmp_path / "out"))
+    assert sorted(os.listdir(tmp_path)) == ["train.csv"]
+
+
+def test_a_header_csv_cannot_parse_is_the_header_error(tmp_path):
+    source = tmp_path / "train.csv"
+    source.write_bytes(b"id,qid1\r,qid2 and more\n")  # a lone "\r": csv.Error, not a traceback
+    with pytest.raises(UserError, match="expected the header id,qid1,qid2"):
+        quora_csv.prepare(str(source), str(tmp_path / "out"))
+
+
 def test_existing_output_is_kept_without_overwrite(hostile_csv, tmp_path):
     quora_csv.prepare(KAGGLE_CSV, str(tmp_path))
     before = output_bytes(tmp_path)

@@ -77,3 +77,12 @@ def test_release_leaves_a_lock_that_another_run_took(tmp_path):
     _holder_file(lock, Holder("elsewhere", 7, 0.0))  # e.g. removed by hand and re-taken
     mine.release()
     assert json.loads(lock.read_text())["host"] == "elsewhere"
+
+
+def test_a_directory_that_cannot_be_written_is_a_user_error_naming_it(tmp_path):
+    # A missing directory stands in for a read-only one (root ignores permission bits);
+    # tests/test_faults.py checks a read-only mount through the command line.
+    folder = tmp_path / "missing"
+    with pytest.raises(UserError, match=rf"cannot write to MODEL_DIR {folder} \("):
+        WriterLock(str(folder / "train.lock")).acquire()
+    assert not folder.exists()

@@ -164,7 +164,10 @@ class _DecodedLines:
 def _detect_delimiter(path: str, header_line: str) -> tuple[str, str]:
     """(delimiter, format name) from the header: Kaggle's train.csv or a tab-separated file."""
     for delimiter, name in (("\t", "tsv"), (",", "csv")):
-        fields = next(csv.reader([header_line], delimiter=delimiter), [])
+        try:
+            fields = next(csv.reader([header_line], delimiter=delimiter), [])
+        except csv.Error:  # a stray "\r" or quote: not the header either
+            fields = []
         if tuple(field.strip() for field in fields) == FIELDS:
             return delimiter, name
     raise UserError(
@@ -331,6 +334,11 @@ def _convert(input_path: str, staged: _StagedOutput, quoting: str) -> PrepareSta
         lines = _DecodedLines(file)
         line_iter = iter(lines)
         header = next(line_iter, "")
+        if 1 in lines.undecodable or "\0" in header:  # before any output: a binary file
+            raise UserError(
+                f"--input={input_path} is not a text file (its first line is not UTF-8 text); "
+                "pass Kaggle's train.csv or a QQP TSV"
+            )
         delimiter, file_format = _detect_delimiter(input_path, header)
         stats = PrepareStats(input=input_path, format=file_format)
         tf.io.gfile.makedirs(staged.output_dir)

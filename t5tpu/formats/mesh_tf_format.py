@@ -1,5 +1,7 @@
 """Mesh TensorFlow checkpoints of the original `t5` library (gs://t5-data/pretrained_models/
-{small,base,large,3B,11B}/model.ckpt-N), read with TensorFlow's checkpoint reader.
+{small,base,large,3B,11B}/model.ckpt-N), read with TensorFlow's checkpoint reader: its variables
+come through TensorFlow's own filesystems (gs:// on a TPU VM), which no test emulator reaches;
+the checks of what a path holds go through etils' epath like every other format's.
 
 Variable names: shared/embedding; {encoder,decoder}/block_NNN/layer_MMM/... with layer_000 the
 self-attention (SelfAttention/{q,k,v,o}, relative_attention_bias in block_000 only) and its
@@ -13,11 +15,11 @@ _slot_v) and global_step are not parameters; global_step gives the step.
 
 from __future__ import annotations
 
-import os
 import re
 
 import numpy as np
 import tensorflow as tf
+from etils import epath
 
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
@@ -35,12 +37,12 @@ _ALIASES = (
 def is_mesh_tf_checkpoint(path: str) -> bool:
     """A checkpoint prefix (model.ckpt-N, with its .index file) or a directory whose
     `checkpoint` file is TensorFlow's checkpoint state."""
-    if tf.io.gfile.exists(path + ".index"):
+    if epath.Path(path + ".index").exists():
         return True
-    state = os.path.join(path, "checkpoint")
-    if not tf.io.gfile.exists(state) or tf.io.gfile.isdir(state):
+    state = epath.Path(path, "checkpoint")
+    if not state.exists() or state.is_dir():
         return False
-    with tf.io.gfile.GFile(state, "rb") as f:
+    with state.open("rb") as f:
         return f.read(len(_TF_STATE_MAGIC)) == _TF_STATE_MAGIC
 
 

@@ -21,8 +21,8 @@ import re
 
 import ml_dtypes
 import numpy as np
-import tensorflow as tf
 import tensorstore as ts
+from etils import epath
 from flax import serialization
 
 from t5tpu.errors import UserError
@@ -36,16 +36,16 @@ _TF_STATE_MAGIC = b"model_checkpoint_path"  # a TF checkpoint state file, also n
 def checkpoint_dir(path: str) -> str:
     """The checkpoint_<step> directory, given it or the `checkpoint` file inside it."""
     path = path.rstrip("/")
-    if os.path.basename(path) == INDEX_FILE and not tf.io.gfile.isdir(path):
+    if os.path.basename(path) == INDEX_FILE and not epath.Path(path).is_dir():
         return os.path.dirname(path)
     return path
 
 
 def is_t5x_checkpoint(path: str) -> bool:
-    index = os.path.join(checkpoint_dir(path), INDEX_FILE)
-    if not tf.io.gfile.exists(index) or tf.io.gfile.isdir(index):
+    index = epath.Path(checkpoint_dir(path), INDEX_FILE)
+    if not index.exists() or index.is_dir():
         return False
-    with tf.io.gfile.GFile(index, "rb") as f:
+    with index.open("rb") as f:
         return not f.read(len(_TF_STATE_MAGIC)).startswith(_TF_STATE_MAGIC)
 
 
@@ -74,7 +74,7 @@ class T5XCheckpoint:
                 "point at a checkpoint_<step> directory"
             )
         index = os.path.join(self.directory, INDEX_FILE)
-        with tf.io.gfile.GFile(index, "rb") as f:
+        with epath.Path(index).open("rb") as f:
             try:
                 contents = serialization.msgpack_restore(f.read())
             except Exception as e:  # msgpack raises several unrelated types on bad bytes

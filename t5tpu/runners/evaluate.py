@@ -4,6 +4,8 @@ Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json, w
 step -> task -> metric (and the task's num_examples); a new evaluation of a task at a step
 replaces that task's entry and keeps every other. Splits other than 'validation' are kept apart,
 in MODEL_DIR/eval_<split> and eval_<split>_metrics.json (runners/evaluator.py writes them).
+EVAL_OUTPUT_DIR puts these files and eval_config.gin in another folder, for a MODEL_DIR that is
+read-only (runners/outputs.py); the config is written with the first metrics.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners import outputs
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
@@ -29,9 +32,9 @@ from t5tpu.training import trainer
 CONTINUOUS = "continuous"
 
 
-def _newest_evaluated(model_dir: str, split: str) -> int | None:
+def _newest_evaluated(output_dir: str, split: str) -> int | None:
     """The newest step in this split's metrics file: continuous eval goes on after it."""
-    recorded = recorded_metrics(paths.eval_metrics(model_dir, split))
+    recorded = recorded_metrics(paths.eval_metrics(output_dir, split))
     return max(map(int, recorded), default=None)
 
 
@@ -52,12 +55,12 @@ def _check_waits(poll_seconds: float, wait_seconds: float) -> None:
 
 
 def _steps_as_they_appear(
-    model_dir: str, split: str, poll_seconds: float, wait_seconds: float
+    model_dir: str, output_dir: str, split: str, poll_seconds: float, wait_seconds: float
 ) -> Iterable[int]:
-    """CHECKPOINT_STEP = 'continuous': each checkpoint after the newest evaluated step, as
-    training writes it."""
+    """CHECKPOINT_STEP = 'continuous': each checkpoint after the newest step evaluated into
+    `output_dir`, as training writes it."""
     _check_waits(poll_seconds, wait_seconds)
-    after = _newest_evaluated(model_dir, split)
+    after = _newest_evaluated(output_dir, split)
     steps = checkpoints.follow_steps(
         model_dir, after, _last_train_step(), poll_seconds, wait_seconds
     )
@@ -102,8 +105,11 @@ def _evaluate_each(
     params_shape,
     shardings,
     continuous: bool,
+    config: str,
 ) -> dict:
-    """{step: metrics} of each checkpoint in `steps`, restored in turn."""
+    """{step: metrics} of each checkpoint in `steps`, restored in turn; the operative config
+    goes to `config` with the first metrics (a run that fails before them keeps the earlier
+    run's)."""
     results = {}
     for step in steps:
         params = _restored(model_dir, step, params_shape, shardings, continuous)
@@ -112,6 +118,8 @@ def _evaluate_each(
             print(f"{name} was deleted before it was read; skipped", flush=True)
             continue
         results[step] = evaluator(params, step)
+        if len(results) == 1:
+            outputs.write_config(config)
         if jax.process_index() == 0:
             print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
     return results
@@ -129,6 +137,7 @@ def evaluate(
     split: str = "validation",
     num_examples: int | None = None,
     mixture_or_task_module: str | None = None,
+    output_dir: str | None = None,
     partitioner: Partitioner | None = None,
     num_beams: int = 1,
     beam_alpha: float = 0.6,
@@ -139,18 +148,19 @@ def evaluate(
     'all' (every checkpoint, oldest first), or 'continuous': every checkpoint after the newest
     step in the metrics file, then each new one as training writes it (looking every
     `poll_seconds`), until the one at TRAIN_STEPS or `wait_seconds` without a new one.
-    Returns {step: metrics}."""
+    Results go to `output_dir` (EVAL_OUTPUT_DIR), else MODEL_DIR. Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(num_beams=num_beams, beam_alpha=beam_alpha)
     settings.check(model.config.vocab_size)
+    output_dir = outputs.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
     lengths = pipeline.model_lengths(task_feature_lengths)
     params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
     continuous = checkpoint_step == CONTINUOUS
     if continuous:
-        steps = _steps_as_they_appear(model_dir, split, poll_seconds, wait_seconds)
+        steps = _steps_as_they_appear(model_dir, output_dir, split, poll_seconds, wait_seconds)
     else:
         steps = _checked_steps(model_dir, checkpoint_step, params_shape)
     evaluator = TaskEvaluator(
@@ -162,10 +172,10 @@ def evaluate(
         partitioner=partitioner,
         param_shardings=shardings,
         model_dir=model_dir,
+        output_dir=output_dir,
         num_examples=num_examples,
         settings=settings,
     )
-    gin_setup.write_operative_config(paths.eval_config(model_dir))
     return _evaluate_each(
         evaluator,
         steps,
@@ -173,4 +183,5 @@ def evaluate(
         params_shape=params_shape,
         shardings=shardings,
         continuous=continuous,
+        config=paths.eval_config(output_dir),
     )

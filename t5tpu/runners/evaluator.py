@@ -1,10 +1,10 @@
 """TaskEvaluator: a task's seqio metrics for given parameters, recorded in MODEL_DIR.
 
 `t5tpu eval` runs it for the checkpoints it restores and `t5tpu train` between steps
-(EVAL_PERIOD). Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json,
-which maps step -> task -> metric (and the task's num_examples); a new evaluation of a task at a
-step replaces that task's entry and keeps every other. Splits other than 'validation' are kept
-apart (storage.model_dir.eval_run).
+(EVAL_PERIOD). Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json
+(or the same names in EVAL_OUTPUT_DIR), which maps step -> task -> metric (and the task's
+num_examples); a new evaluation of a task at a step replaces that task's entry and keeps every
+other. Splits other than 'validation' are kept apart (storage.model_dir.eval_run).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 import numpy as np
 import seqio
 import tensorflow as tf
-from clu import metric_writers
+from etils import epath
 
 from t5tpu.data import batches, pipeline
 from t5tpu.errors import UserError
@@ -24,21 +24,22 @@ from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.storage import model_dir as paths
+from t5tpu.storage import summaries
 
 
 def recorded_metrics(path: str) -> dict:
     """{step: {task: metrics}} as written so far; {} before the first evaluation."""
-    if not tf.io.gfile.exists(path):
+    if not epath.Path(path).exists():
         return {}
-    with tf.io.gfile.GFile(path) as f:
+    with epath.Path(path).open() as f:
         return json.load(f)
 
 
 def _write_atomically(path: str, text: str) -> None:
     tmp = f"{path}.tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
+    with epath.Path(tmp).open("w") as f:
         f.write(text)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    epath.Path(tmp).replace(path)
 
 
 def _scalars(metrics: dict) -> dict:
@@ -63,9 +64,14 @@ class TaskEvaluator:
         model_dir: str,
         num_examples: int | None = None,
         settings: decoding.DecodingSettings,
+        output_dir: str | None = None,
     ):
+        """Results go to `output_dir` (EVAL_OUTPUT_DIR), laid out as MODEL_DIR, or else to
+        `model_dir`."""
         self.batch_size = batch_size
-        self.metrics_file = paths.eval_metrics(model_dir, split)
+        self.metrics_file = paths.eval_metrics(output_dir or model_dir, split)
+        self.summaries_dir = paths.eval_summaries(output_dir or model_dir, split)
+        self._writer = None
         target_length = pipeline.model_lengths(task_feature_lengths)[1]
         self.evaluator = _seqio_evaluator(task_name, task_feature_lengths, split, num_examples)
         self.batch_sharding = partitioner.batch_sharding()
@@ -78,9 +84,16 @@ class TaskEvaluator:
             lambda p, b: model.predict(p, b, target_length, settings=settings), **with_sharding
         )
         self._score = partitioner.jit(model.score, **with_sharding)
-        self.writer = metric_writers.create_default_writer(
-            paths.eval_summaries(model_dir, split), just_logging=jax.process_index() > 0
-        )
+
+    @property
+    def writer(self):
+        # Made with the first results: a writer makes its event file at once, and a run that
+        # fails before any result (an unreadable checkpoint) must leave nothing behind.
+        if self._writer is None:
+            self._writer = summaries.writer(
+                self.summaries_dir, just_logging=jax.process_index() > 0
+            )
+        return self._writer
 
     def _run(self, ds: tf.data.Dataset, fn, params) -> list:
         results = []

@@ -4,19 +4,24 @@ One output file per checkpoint step: MODEL_DIR/inference/<source>-<step>.jsonl w
 {"input", "prediction"} and "target" when the source knows it (<source>-<step>.2.jsonl and on
 when a file of that name holds other inputs' predictions; runners/prediction_files.py names and
 writes them). Files are written to a temporary name and renamed, so an interrupted run never
-leaves a half-written result in their place.
+leaves a half-written result in their place. INFER_OUTPUT_DIR puts them and infer_config.gin in
+another folder, for a MODEL_DIR that is read-only (runners/outputs.py); the config is written
+with the first predictions.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import os
+import sys
 
 import jax
 import numpy as np
 import seqio
 import tensorflow as tf
+from etils import epath
 
 from t5tpu import gin_setup
 from t5tpu.data import availability, batches, pipeline, registry
@@ -24,7 +29,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import prediction_files
+from t5tpu.runners import outputs, prediction_files
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
@@ -49,24 +54,75 @@ class _Inputs:
             inputs=[ex["input"] for ex in self.examples],
         )
 
+    def overlong(self) -> list[str]:
+        """Where each input that was truncated came from ('line 7 of FILE', 'INFER_INPUTS[2]')."""
+        return [ex["overlong"] for ex in self.examples if "overlong" in ex]
 
-def _read_lines(path: str) -> list[str]:
-    if not tf.io.gfile.exists(path):
+
+def _read_lines(path: str) -> list[tuple[str, str]]:
+    """(text, 'line N of FILE') of each non-empty line. Read as bytes and decoded here, so a
+    binary file is refused in one line naming it instead of failing in the decoder."""
+    availability.check_storage(path, "INFER_INPUT_FILE")
+    if not epath.Path(path).is_file():
         raise UserError(f"input file not found: {path}; set INFER_INPUT_FILE to a text file")
-    with tf.io.gfile.GFile(path) as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
+    data = epath.Path(path).read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        text = data[: e.start].decode("utf-8") + "\0"  # a NUL marks the first bad byte
+    if "\0" in text:  # not UTF-8, or NULs: UTF-16 text, a binary file
+        line = text.count("\n", 0, text.index("\0")) + 1
+        raise UserError(
+            f"INFER_INPUT_FILE {path} is not a UTF-8 text file (line {line}); give a text file "
+            "with one model input per line"
+        )
+    # Universal newlines, as a file opened as text reads: \r\n and \r end a line too.
+    lines = [
+        (line.rstrip("\n"), f"line {number} of {path}")
+        for number, line in enumerate(io.StringIO(text, newline=None), start=1)
+        if line.strip()
+    ]
     if not lines:
         raise UserError(f"input file {path} has no non-empty lines; put one input per line")
     return lines
 
 
-def _examples_from_texts(texts: list[str], vocabulary, input_length: int) -> list[dict]:
-    """Model inputs given as text (already in the task's format, e.g. 'question: ... context:
-    ...'), truncated to the input length with EOS kept, as the tasks' preprocessing does."""
-    return [
-        {"input": text, "ids": vocabulary.encode(text)[: input_length - 1] + [vocabulary.eos_id]}
-        for text in texts
-    ]
+def _examples_from_texts(texts: list[tuple[str, str]], vocabulary, input_length: int) -> list[dict]:
+    """Model inputs given as (text, where it came from), the text already in the task's format
+    (e.g. 'question: ... context: ...'), truncated to the input length with EOS kept, as the
+    tasks' preprocessing does; a truncated one is marked with where it came from."""
+    examples = []
+    for text, where in texts:
+        ids = vocabulary.encode(text)
+        example = {"input": text, "ids": ids[: input_length - 1] + [vocabulary.eos_id]}
+        if len(ids) >= input_length:  # with its EOS, longer than the input length
+            example["overlong"] = where
+        examples.append(example)
+    return examples
+
+
+def _check_truncation(inputs: _Inputs, truncation: str, input_length: int) -> None:
+    """INFER_TRUNCATION: inputs longer than the input length are refused ('error'), or
+    truncated with one warning saying how many ('warn'): a prediction from a cut input may look
+    fine and be wrong."""
+    overlong = inputs.overlong()
+    if not overlong:
+        return
+    count = (
+        f"{len(overlong)} of {len(inputs.examples)} inputs are longer than {input_length} "
+        "tokens (TASK_FEATURE_LENGTHS['inputs'])"
+    )
+    if truncation == "error":
+        raise UserError(
+            f"{count}, the first on {overlong[0]}; shorten them or raise "
+            "TASK_FEATURE_LENGTHS['inputs'] (INFER_TRUNCATION='warn' truncates them)"
+        )
+    if jax.process_index() == 0:
+        print(
+            f"t5tpu: warning: {count} and were truncated (INFER_TRUNCATION='error' to refuse them)",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _examples_from_task(
@@ -121,6 +177,7 @@ def _chosen_inputs(
     input_length = pipeline.model_lengths(task_feature_lengths)[0]
     if inputs:
         texts = [inputs] if isinstance(inputs, str) else list(inputs)
+        texts = [(text, f"INFER_INPUTS[{i}]") for i, text in enumerate(texts)]
         examples = _examples_from_texts(texts[:num_examples], vocabulary, input_length)
         return _Inputs("inputs", examples, num_examples)
     if input_file:
@@ -224,11 +281,33 @@ def _write_predictions(path: str, rows: list[dict], step: int) -> None:
     print(f"step {step}: wrote {len(rows)} predictions to {path}", flush=True)
 
 
-def _check_num_examples(num_examples: int | None) -> None:
+def _check_settings(num_examples: int | None, truncation: str) -> None:
     if num_examples is not None and num_examples < 1:
         raise UserError(
             f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
         )
+    if truncation not in ("warn", "error"):
+        raise UserError(
+            f"INFER_TRUNCATION = {truncation!r} must be 'warn' (truncate inputs longer than "
+            "TASK_FEATURE_LENGTHS['inputs'], with a warning) or 'error' (refuse them)"
+        )
+
+
+def _decode_each(
+    decoder: _Decoder, restorable: _Checkpoints, chosen: _Inputs, settings, output_dir: str
+) -> list[str]:
+    """Decodes with each checkpoint in turn into OUTPUT/inference; the operative config goes to
+    OUTPUT/infer_config.gin with the first predictions (a run that fails before them keeps the
+    earlier run's). Returns the files."""
+    folder = paths.inference_dir(output_dir)
+    written = []
+    for step in restorable.steps:
+        rows = decoder.rows(restorable.params(step), chosen)
+        written.append(chosen.predictions_path(folder, step, settings))
+        _write_predictions(written[-1], rows, step)
+        if len(written) == 1:
+            outputs.write_config(paths.infer_config(output_dir))
+    return written
 
 
 @gin_setup.runner
@@ -251,15 +330,18 @@ def infer(
     random_seed: int = 0,
     mixture_or_task_module: str | None = None,
     output_dir: str | None = None,
+    truncation: str = "warn",
     partitioner: Partitioner | None = None,
 ) -> list[str]:
     """Decodes INFER_INPUTS (texts from gin or the command line), else INFER_INPUT_FILE (one per
-    line), else the task's split: the first `num_examples` (None: all). Returns the files."""
+    line), else the task's split: the first `num_examples` (None: all). Predictions go to
+    `output_dir` (INFER_OUTPUT_DIR), else MODEL_DIR. Returns the files."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
     settings.check(model.config.vocab_size)
-    _check_num_examples(num_examples)
+    _check_settings(num_examples, truncation)
+    output_dir = outputs.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
     lengths = pipeline.model_lengths(task_feature_lengths)
     chosen = _chosen_inputs(
         inputs=inputs,
@@ -271,6 +353,7 @@ def infer(
         num_examples=num_examples,
         vocabulary=model.vocabulary,
     )
+    _check_truncation(chosen, truncation, lengths[0])
     restorable = _Checkpoints.checked(
         model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
     )
@@ -282,11 +365,4 @@ def infer(
         lengths=lengths,
         batch_size=batch_size,
     )
-    gin_setup.write_operative_config(paths.infer_config(model_dir))
-    folder = output_dir or paths.inference_dir(model_dir)
-    written = []
-    for step in restorable.steps:
-        rows = decoder.rows(restorable.params(step), chosen)
-        written.append(chosen.predictions_path(folder, step, settings))
-        _write_predictions(written[-1], rows, step)
-    return written
+    return _decode_each(decoder, restorable, chosen, settings, output_dir)

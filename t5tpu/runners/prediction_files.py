@@ -1,5 +1,5 @@
 """The files `t5tpu infer` writes: one JSONL file of predictions per checkpoint step, in
-MODEL_DIR/inference (storage.model_dir.inference_dir) unless `infer.output_dir` says otherwise,
+MODEL_DIR/inference (storage.model_dir.inference_dir; INFER_OUTPUT_DIR/inference when it is set),
 named by the settings that change the predictions (file_name) and never another input's
 (own_file). Each is written to a temporary name and renamed, so an interrupted run never leaves
 a half-written result in its place.
@@ -11,7 +11,7 @@ import itertools
 import json
 import os
 
-import tensorflow as tf
+from etils import epath
 
 from t5tpu.model import decoding
 
@@ -41,7 +41,7 @@ def file_name(
 def _inputs_in(path: str) -> list[str] | None:
     """The inputs of a predictions file, in order; None when it is not one."""
     try:
-        with tf.io.gfile.GFile(path) as f:
+        with epath.Path(path).open() as f:
             return [json.loads(line)["input"] for line in f if line.strip()]
     except (ValueError, KeyError, TypeError):
         return None
@@ -55,7 +55,7 @@ def own_file(path: str, inputs: list[str]) -> str:
     stem, ext = os.path.splitext(path)
     for n in itertools.count(1):
         candidate = path if n == 1 else f"{stem}.{n}{ext}"
-        if not tf.io.gfile.exists(candidate) or _inputs_in(candidate) == inputs:
+        if not epath.Path(candidate).exists() or _inputs_in(candidate) == inputs:
             return candidate
 
 
@@ -73,9 +73,9 @@ def predictions_path(
 
 
 def write_jsonl(path: str, rows: list[dict]) -> None:
-    tf.io.gfile.makedirs(os.path.dirname(path))
+    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
     tmp = f"{path}.tmp"
-    with tf.io.gfile.GFile(tmp, "w") as f:
+    with epath.Path(tmp).open("w") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    epath.Path(tmp).replace(path)

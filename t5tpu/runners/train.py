@@ -12,6 +12,12 @@ Where training starts, in order:
    batch;
 3. else a fresh random initialization.
 
+One run writes a MODEL_DIR at a time: process 0 holds its lock file from the end of the input
+checks to the exit (storage/writer_lock.py), so a second train there is refused at once, and a
+MODEL_DIR that cannot be written is refused before any work. A checkpoint that cannot be read is
+skipped with a warning (the newest readable one is resumed) and moved aside when its step is
+saved again.
+
 On SIGTERM (a TPU VM about to be preempted) the loop saves a checkpoint at the current step and
 exits 0; rerunning the same command continues. A NaN or Inf loss stops training before anything
 is saved, so the last checkpoint on disk is the last good one.
@@ -19,11 +25,16 @@ is saved, so the last checkpoint on disk is the last good one.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import errno
+import os
 
 import jax
 import jax.numpy as jnp
-from clu import metric_writers
+import numpy as np
+from etils import epath
+from jax.experimental import multihost_utils
 
 from t5tpu import gin_setup
 from t5tpu.data import availability, pipeline, registry
@@ -34,8 +45,9 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints
+from t5tpu.storage import checkpoints, summaries
 from t5tpu.storage import model_dir as paths
+from t5tpu.storage.writer_lock import WriterLock
 from t5tpu.training import trainer
 from t5tpu.training.preemption import PreemptionWatch
 from t5tpu.training.progress import Progress
@@ -96,6 +108,49 @@ class StepSetup:
         return trainer.compile_train_step(
             self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
         )
+
+
+def _create_dir(model_dir: str) -> bool:
+    """Creates MODEL_DIR if missing (the lock file goes there); True if it was created."""
+    path = epath.Path(model_dir)
+    if path.is_dir():
+        return False
+    if path.exists():
+        raise UserError(f"MODEL_DIR {model_dir} is a file; give a directory")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        if e.errno not in WriterLock.NOT_WRITABLE | {errno.EEXIST}:
+            raise  # a full disk, a failing device: the machine's fault, not the input's
+        raise UserError(
+            f"cannot create MODEL_DIR {model_dir} ({e.strerror or e}); give a writable directory"
+        ) from None
+    return True
+
+
+@contextlib.contextmanager
+def _sole_writer(model_dir: str):
+    """Holds MODEL_DIR's writer lock on process 0 for the block. Every process learns whether
+    it was taken, so on a refusal the others stop too rather than wait for process 0 in a
+    collective forever. A MODEL_DIR this run created and left empty (it failed before writing
+    anything) is removed again."""
+    lock, error, created = None, None, False
+    if jax.process_index() == 0:
+        try:
+            created = _create_dir(model_dir)
+            lock = WriterLock(paths.train_lock(model_dir))
+            lock.acquire()
+        except UserError as e:
+            lock, error = None, e
+    if not bool(multihost_utils.broadcast_one_to_all(np.bool_(error is None))):
+        raise error or UserError(f"process 0 could not lock MODEL_DIR {model_dir}; see its error")
+    try:
+        yield
+    finally:
+        if lock:
+            lock.release()
+        if created and "://" not in model_dir and not os.listdir(model_dir):
+            os.rmdir(model_dir)
 
 
 def _check_data(data: InputSettings, task_module: str | None, evals: EvalSettings | None) -> None:
@@ -205,6 +260,18 @@ def _evaluator(
     )
 
 
+def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: str):
+    return Checkpointer(
+        mngr=mngr,
+        dtype=dtype,
+        input_start_step=start.input_start_step,
+        stream=stream,
+        config=config,
+        # Found unreadable by resume_point: replaced when their steps are saved again.
+        damaged_steps=start.resume.damaged_steps if start.resume else (),
+    )
+
+
 def _train_steps(
     state: trainer.TrainState,
     *,
@@ -231,7 +298,7 @@ def _train_steps(
         saved_position=checkpoints.input_position_path(mngr, first_step),
     )
     evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
-    writer = metric_writers.create_default_writer(
+    writer = summaries.writer(
         paths.train_summaries(model_dir), just_logging=jax.process_index() > 0
     )
     # Only now that the pipeline and evaluator are built: bad input or a finished run must not
@@ -248,13 +315,7 @@ def _train_steps(
         last_step=start.last_step,
         progress=Progress(first_step, start.last_step, layout.num_shards),
         writer=writer,
-        checkpointer=Checkpointer(
-            mngr=mngr,
-            dtype=checkpoint_dtype,
-            input_start_step=start.input_start_step,
-            stream=stream,
-            config=config,
-        ),
+        checkpointer=_checkpointer(mngr, start, stream, config, checkpoint_dtype),
         evaluator=evaluator,
         preemption=PreemptionWatch(),
     )
@@ -298,31 +359,33 @@ def train(
     partitioner.check_batch_size("BATCH_SIZE", batch_size, num_microbatches)
     partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size or batch_size)
     checkpoints.check_save_dtype(checkpoint_dtype)
+    availability.check_storage(model_dir, "MODEL_DIR")
+    availability.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
     periods = Periods(log=log_period, save=save_period, eval=eval_period)
     data = InputSettings(
         mixture_or_task_name, task_feature_lengths, batch_size, random_seed, use_packing
     )
     evals = EvalSettings(eval_split, eval_batch_size or batch_size, eval_num_examples)
     _check_data(data, mixture_or_task_module, evals if eval_period else None)
-    lengths = pipeline.model_lengths(task_feature_lengths)
-    start = _start_point(model_dir, initial_checkpoint_path, train_steps, relative_steps)
-    setup = StepSetup.build(
-        model=model,
-        optimizer=optimizer,
-        partitioner=partitioner,
-        lengths=lengths,
-        num_microbatches=num_microbatches,
-    )
-    mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-    state = _start_state(setup=setup, mngr=mngr, seed=random_seed, start=start)
-    return _train_steps(
-        state,
-        model_dir=model_dir,
-        setup=setup,
-        mngr=mngr,
-        start=start,
-        data=data,
-        evals=evals if eval_period else None,
-        periods=periods,
-        checkpoint_dtype=checkpoint_dtype,
-    )
+    with _sole_writer(model_dir):
+        start = _start_point(model_dir, initial_checkpoint_path, train_steps, relative_steps)
+        setup = StepSetup.build(
+            model=model,
+            optimizer=optimizer,
+            partitioner=partitioner,
+            lengths=pipeline.model_lengths(task_feature_lengths),
+            num_microbatches=num_microbatches,
+        )
+        mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+        state = _start_state(setup=setup, mngr=mngr, seed=random_seed, start=start)
+        return _train_steps(
+            state,
+            model_dir=model_dir,
+            setup=setup,
+            mngr=mngr,
+            start=start,
+            data=data,
+            evals=evals if eval_period else None,
+            periods=periods,
+            checkpoint_dtype=checkpoint_dtype,
+        )

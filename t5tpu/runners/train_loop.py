@@ -77,16 +77,25 @@ class Checkpointer:
         input_start_step: int,
         stream,
         config: TrainConfig,
+        damaged_steps: tuple[int, ...] = (),
     ):
         self.mngr = mngr
         self.dtype = dtype
         self.input_start_step = input_start_step
         self.stream = stream
         self.config = config
+        # Steps found unreadable when the run started: replaced when saved (checkpoints.save).
+        self.damaged_steps = damaged_steps
 
     def save(self, step: int, state: trainer.TrainState) -> None:
         checkpoints.save(
-            self.mngr, step, state.params, state.opt_state, self.dtype, self.input_start_step
+            self.mngr,
+            step,
+            state.params,
+            state.opt_state,
+            self.dtype,
+            self.input_start_step,
+            damaged_steps=self.damaged_steps,
         )
         self.stream.save(checkpoints.input_position_path(self.mngr, step))
         self.config.checkpoint_saved()

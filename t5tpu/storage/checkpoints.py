@@ -4,8 +4,10 @@ Parameters and optimizer state are separate items, so eval and infer restore par
 without knowing the optimizer; input_position/ holds each training process's place in its input
 stream. Orbax writes to a temporary directory and renames it when the
 save is complete, so a crash mid-save never leaves a checkpoint that restore would pick; a
-checkpoint_N directory damaged some other way (a partial copy, a lost file) is skipped with a
-warning by `usable_steps`, and renamed checkpoint_N.incomplete when a run saves step N again.
+checkpoint_N directory damaged some other way (a partial copy, a lost or cut file) is skipped
+with a warning (readability.py), and renamed checkpoint_N.incomplete when a run saves step N
+again. A save that fails for want of disk space removes what it wrote and raises
+EnvironmentFault, so the checkpoints before it are all that is left.
 
 On disk layers are always unrolled (layers_N), whatever T5Config.scan_layers: a run with scanned
 layers unstacks its parameters and optimizer state to save them and stacks them again on restore
@@ -15,11 +17,8 @@ importers and exporters see one layout.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 
@@ -33,6 +32,7 @@ from jax.experimental import multihost_utils
 from t5tpu.errors import UserError
 from t5tpu.model import layer_stacking
 from t5tpu.storage import model_dir as paths
+from t5tpu.storage import readability, save_guards
 
 # model_dir owns the name; this alias serves callers that still read it from here.
 STEP_PREFIX = paths.STEP_PREFIX
@@ -55,8 +55,10 @@ def manager(
         create=not read_only,
         read_only=read_only,
         enable_async_checkpointing=False,
-        # Leftovers of a save that was killed; orbax never lists them, this deletes them.
-        cleanup_tmp_directories=not read_only,
+        # Leftovers of a save that was killed; orbax never lists them, this deletes them. Not on
+        # gs://: there orbax takes every folder without its commit marker for one (train/,
+        # eval/, inference/ too) and deletes it.
+        cleanup_tmp_directories=not read_only and "://" not in model_dir,
     )
     handlers = {name: ocp.StandardCheckpointHandler() for name in ITEMS}
     return ocp.CheckpointManager(epath.Path(model_dir), options=options, item_handlers=handlers)
@@ -96,25 +98,28 @@ def save(
     opt_state,
     dtype: str = "float32",
     input_start_step: int = 0,
+    damaged_steps=(),
 ) -> None:
     """Saves parameters (cast to `dtype`: 'bfloat16' halves the size, and makes resume inexact)
     and optimizer state, and `input_start_step` (see INPUT_START_STEP) in the checkpoint's
-    metadata; blocks until the checkpoint is complete on disk."""
+    metadata; blocks until the checkpoint is complete on disk. `damaged_steps`: steps found
+    unreadable when the run started (ResumePoint), whose directories look complete but are
+    replaced, not taken as already saved. A full disk raises EnvironmentFault."""
     check_save_dtype(dtype)
     if step in mngr.all_steps():
         step_dir = _step_dir(mngr, step)
-        if _incomplete_reason(step_dir, ITEMS) is None:
+        damaged = step in damaged_steps
+        if not damaged and readability.incomplete_reason(step_dir, ITEMS) is None:
             return  # already saved at this step (e.g. the final save right after a periodic one)
         # Damaged, so skipped on restore; kept under another name, since it may be worth a look.
-        aside = paths.incomplete_checkpoint_name(step)
-        step_dir.rename(step_dir.with_name(aside))
+        aside = readability.move_aside(step_dir)
         print(f"t5tpu: warning: moved {step_dir} aside to {aside}")
         mngr.reload()
     # Together: the parameters tell the depth of stacks whose moments are all placeholders.
     params, opt_state = _unrolled((params, opt_state))
     if dtype != "float32":
         params = jax.tree_util.tree_map(lambda x: x.astype(jnp.dtype(dtype)), params)
-    with _ctrl_c_after_the_save():
+    with save_guards.ctrl_c_after_the_save(), save_guards.disk_faults(mngr, step):
         mngr.save(
             step,
             args=ocp.args.Composite(
@@ -127,42 +132,10 @@ def save(
         mngr.wait_until_finished()
 
 
-@contextlib.contextmanager
-def _ctrl_c_after_the_save():
-    """Holds Ctrl-C until the save is complete, then raises it. orbax's wait_until_finished
-    catches any exception while it waits, KeyboardInterrupt included: it logs it, forgets the
-    step being saved and returns, and training went on as if Ctrl-C was never pressed."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    pressed = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if pressed:
-        raise KeyboardInterrupt
-
-
-def _incomplete_reason(step_dir: epath.Path, items) -> str | None:
-    if not (step_dir / "_CHECKPOINT_METADATA").exists():
-        return "no _CHECKPOINT_METADATA"
-    for item in items:
-        if not (step_dir / item / "_METADATA").exists():
-            if item == "opt_state" and not (step_dir / item).exists():
-                return (
-                    "parameters only, as `t5tpu convert` writes; to fine-tune from it, give it "
-                    "as INITIAL_CHECKPOINT_PATH"
-                )
-            return f"no {item}/_METADATA"
-    return None
-
-
 def params_readable(model_dir: str, step: int) -> bool:
     """Whether checkpoint `step` still has its parameters; no manager, so no host sync."""
     step_dir = epath.Path(paths.checkpoint_dir(model_dir, step))
-    return _incomplete_reason(step_dir, ("params",)) is None
+    return readability.incomplete_reason(step_dir, ("params",)) is None
 
 
 def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
@@ -171,7 +144,7 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
     steps = []
     for step in sorted(mngr.all_steps()):
         step_dir = _step_dir(mngr, step)
-        reason = _incomplete_reason(step_dir, items)
+        reason = readability.incomplete_reason(step_dir, items)
         if reason:
             print(f"t5tpu: warning: skipping incomplete {step_dir} ({reason})", file=sys.stderr)
         else:
@@ -220,23 +193,32 @@ def follow_steps(
 
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
-    """The newest complete checkpoint of a run, which training continues from."""
+    """The newest readable checkpoint of a run, which training continues from."""
 
     step: int
     # See INPUT_START_STEP; None in checkpoints saved before t5tpu recorded it.
     input_start_step: int | None
+    # Newer checkpoints that look complete but cannot be read: save() replaces them.
+    damaged_steps: tuple[int, ...] = ()
 
 
 def resume_point(model_dir: str) -> ResumePoint | None:
-    """The newest complete checkpoint in `model_dir`, None if there is none; creates nothing."""
+    """The newest readable checkpoint in `model_dir` (newer damaged ones are reported in one
+    warning line each), None if there is none; creates nothing."""
     if not epath.Path(model_dir).is_dir():
         return None
     mngr = manager(model_dir, read_only=True)
-    steps = usable_steps(mngr)
-    if not steps:
+    step, damaged = readability.newest_readable(model_dir, usable_steps(mngr), ITEMS)
+    if step is None and damaged:
+        # Starting afresh would bury the run's progress under new checkpoints and configs.
+        raise UserError(
+            f"no checkpoint in {model_dir} can be read; move the damaged ones away to train "
+            "afresh there, or use another MODEL_DIR"
+        )
+    if step is None:
         return None
-    metadata = mngr.metadata(steps[-1]).custom_metadata
-    return ResumePoint(steps[-1], metadata.get(INPUT_START_STEP))
+    metadata = mngr.metadata(step).custom_metadata
+    return ResumePoint(step, metadata.get(INPUT_START_STEP), tuple(damaged))
 
 
 def _with_shardings(abstract, shardings):
@@ -304,9 +286,25 @@ def _check_optimizer(mngr, step: int, unrolled_opt_state) -> None:
         )
 
 
+def check_readable(model_dir: str, step: int, items=("params",)) -> None:
+    """Refuses checkpoint `step`, named explicitly, when it cannot be read (a UserError)."""
+    readability.check_readable(paths.checkpoint_dir(model_dir, step), items)
+
+
 def _restore(mngr, step, abstract: dict, shardings: dict):
     """Restores the items in `abstract` ({item: tree of shapes}) onto `shardings` ({item: tree
-    of shardings}): read unrolled as on disk, then stacked where the model scans its layers."""
+    of shardings}): read unrolled as on disk, then stacked where the model scans its layers. A
+    checkpoint found damaged on the way is refused in one line, not a TensorStore traceback."""
+    try:
+        return _read(mngr, step, abstract, shardings)
+    except (UserError, KeyboardInterrupt):
+        raise
+    except Exception:
+        check_readable(str(mngr.directory), step, tuple(abstract))
+        raise
+
+
+def _read(mngr, step, abstract: dict, shardings: dict):
     check_geometry(mngr, step, abstract["params"])
     unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract, shardings)
     if "opt_state" in unrolled:
@@ -344,7 +342,8 @@ def restore_params(mngr, step: int, abstract_params, param_shardings):
 
 
 def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:
-    """'latest' -> [newest step]; 'all' -> every step, oldest first; an int -> [that step]."""
+    """'latest' -> [newest readable step]; 'all' -> every readable step, oldest first; an int
+    -> [that step]. Damaged checkpoints are skipped with a warning, or refused when named."""
     mngr = manager(model_dir, read_only=True)
     available = usable_steps(mngr, items=("params",))
     if not available:
@@ -352,12 +351,19 @@ def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:
             f"no checkpoint in {model_dir}; train first, or point MODEL_DIR at a trained run"
         )
     if checkpoint_step == "latest":
-        return [available[-1]]
+        newest, _ = readability.newest_readable(model_dir, available, ("params",))
+        if newest is None:
+            raise UserError(f"no checkpoint in {model_dir} can be read; train again")
+        return [newest]
     if checkpoint_step == "all":
-        return available
+        readable = readability.readable_steps(model_dir, available, ("params",))
+        if not readable:
+            raise UserError(f"no checkpoint in {model_dir} can be read; train again")
+        return readable
     if isinstance(checkpoint_step, str) and checkpoint_step.isdigit():  # a quoted step, '8'
         checkpoint_step = int(checkpoint_step)
     if isinstance(checkpoint_step, int) and checkpoint_step in available:
+        check_readable(model_dir, checkpoint_step)
         return [checkpoint_step]
     raise UserError(
         f"CHECKPOINT_STEP={checkpoint_step!r} not found in {model_dir} (have "

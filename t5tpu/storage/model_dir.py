@@ -4,6 +4,7 @@
       checkpoint_<step>/             orbax checkpoint: params/, opt_state/, input_position/
       checkpoint_<step>.incomplete/  a damaged checkpoint moved aside when its step is saved again
       config.gin                     operative config of the training run
+      train.lock                     held by the one `t5tpu train` writing here (writer_lock.py)
       config_to_step_<step>.gin      an earlier training config, kept when a resume changed it
       eval_config.gin, infer_config.gin
       model.gin                      the model's geometry (written by `t5tpu convert`)
@@ -29,6 +30,7 @@ MODEL_GIN = "model.gin"
 TRAIN_SUMMARIES = "train"
 INFERENCE = "inference"
 INPUT_POSITION = "input_position"
+TRAIN_LOCK = "train.lock"
 
 _STEP_DIR = re.compile(rf"{STEP_PREFIX}_(\d+)")
 
@@ -67,6 +69,11 @@ def kept_train_config(first_step: int) -> str:
 
 def kept_train_config_path(model_dir: str, first_step: int) -> str:
     return os.path.join(model_dir, kept_train_config(first_step))
+
+
+def train_lock(model_dir: str) -> str:
+    """The lock file that keeps a second `t5tpu train` off a MODEL_DIR being trained."""
+    return os.path.join(model_dir, TRAIN_LOCK)
 
 
 def train_config(model_dir: str) -> str:

@@ -6,7 +6,9 @@ exclusively and names its holder (host, pid, start time), so a second run fails 
 line saying who holds it. A holder that died without releasing (SIGKILL, a lost VM) leaves the
 file behind: on the same host a dead pid is detected and the lock taken over; a lock of another
 host cannot be checked from here, so the message says how to remove it when that run is gone.
-eval and infer take no lock: they may run beside training.
+eval and infer take no lock: they may run beside training. Taking it is also the first write of
+a run, so a MODEL_DIR that cannot be written (read-only, no permission) is refused here in one
+line, before any work.
 
 On gs:// there is no exclusive create through these clients, so the check and the write are
 two steps (another run starting in the same second may slip through); on a local or NFS disk
@@ -16,6 +18,7 @@ a hard link of the written file makes them one.
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import socket
@@ -59,6 +62,9 @@ class Holder:
 class WriterLock:
     """`with WriterLock(path):` holds the lock file `path` for the block's duration."""
 
+    # Errors that say the directory is not one this user can write: the user's input to fix.
+    NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM, errno.ENOENT, errno.ENOTDIR})
+
     def __init__(self, path: str, *, holder: Holder | None = None):
         self.path = epath.Path(path)
         self.holder = holder or Holder.this_process()
@@ -89,12 +95,20 @@ class WriterLock:
 
     def _try_create(self) -> bool:
         text = json.dumps(dataclasses.asdict(self.holder))
-        if str(self.path).startswith("gs://"):
-            if self.path.exists():
+        try:
+            if str(self.path).startswith("gs://"):
+                if self.path.exists():
+                    return False
+                self.path.write_text(text)
+            elif not self._link_into_place(text):
                 return False
-            self.path.write_text(text)
-        elif not self._link_into_place(text):
-            return False
+        except OSError as e:
+            if e.errno not in self.NOT_WRITABLE:
+                raise  # a full disk, a failing device: the machine's fault, not the input's
+            raise UserError(
+                f"cannot write to MODEL_DIR {self.path.parent} ({e.strerror or e}); give a "
+                "writable directory"
+            ) from None
         self._held = True
         return True
 

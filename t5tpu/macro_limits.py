@@ -1,0 +1,104 @@
+"""The values each run macro accepts, checked once the gin files and flags are parsed, before
+anything is compiled, read or written.
+
+A macro's value reaches code in many places (LEARNING_RATE an optax schedule, DROPOUT_RATE the
+model config, TASK_FEATURE_LENGTHS the data pipeline and the model's shapes), where a bad one
+fails late: a traceback after training has started, or no failure at all (a negative learning
+rate trains uphill). Checking the macros themselves names the setting the user wrote.
+Macros an experiment does not bind are skipped, and so is a value that is a gin reference
+(`LEARNING_RATE = @my_schedule()`): its configurable checks its own arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+
+import gin
+
+from t5tpu.errors import UserError
+
+
+@dataclasses.dataclass(frozen=True)
+class Limit:
+    """What a macro accepts, as a test and the words the error uses ("a number > 0")."""
+
+    accepts: Callable[[object], bool]
+    wanted: str
+    example: str
+
+
+def _number(value) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _whole(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _lengths(value) -> bool:
+    return (
+        isinstance(value, dict)
+        and bool(value)
+        and all(_whole(length) and length >= 1 for length in value.values())
+    )
+
+
+def _positive(example: str) -> Limit:
+    return Limit(lambda v: _whole(v) and v >= 1, "a whole number >= 1", example)
+
+
+def _count(example: str) -> Limit:
+    return Limit(lambda v: _whole(v) and v >= 0, "a whole number >= 0", example)
+
+
+_OPTIONAL_COUNT = Limit(
+    lambda v: v is None or (_whole(v) and v >= 1), "None or a whole number >= 1", "None"
+)
+
+LIMITS: dict[str, Limit] = {
+    "LEARNING_RATE": Limit(lambda v: _number(v) and v > 0, "a number > 0", "0.001"),
+    "TRAIN_STEPS": _count("1000"),
+    "BATCH_SIZE": _positive("32"),
+    "EVAL_BATCH_SIZE": _positive("32"),
+    "INFER_BATCH_SIZE": _positive("32"),
+    "NUM_MICROBATCHES": _positive("2"),
+    "SAVE_PERIOD": _positive("1000"),
+    "EVAL_PERIOD": _count("1000"),
+    "KEEP_CHECKPOINTS": _OPTIONAL_COUNT,
+    "KEEP_PERIOD": _OPTIONAL_COUNT,
+    "EVAL_NUM_EXAMPLES": _OPTIONAL_COUNT,
+    "INFER_NUM_EXAMPLES": _OPTIONAL_COUNT,
+    "RANDOM_SEED": _count("0"),
+    "DROPOUT_RATE": Limit(lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)", "0.1"),
+    "NUM_BEAMS": _positive("4"),
+    "TEMPERATURE": Limit(lambda v: _number(v) and v >= 0, "a number >= 0", "0.0"),
+    "TOP_K": _count("40"),
+    "TASK_FEATURE_LENGTHS": Limit(
+        _lengths,
+        "a dict of feature lengths >= 1",
+        "\"{'inputs': 512, 'targets': 128}\"",
+    ),
+}
+
+
+def _bound_value(name: str):
+    """The macro's literal value; None when it is unbound or a gin reference."""
+    try:
+        value = gin.query_parameter(f"%{name}")
+    except ValueError:
+        return None, False
+    if isinstance(value, gin.config.ConfigurableReference):  # also %OTHER_MACRO, %gin.REQUIRED
+        return None, False
+    return value, True
+
+
+def check_macros() -> None:
+    """A UserError naming the first macro whose value is out of its limits."""
+    for name, limit in LIMITS.items():
+        value, bound = _bound_value(name)
+        if bound and not limit.accepts(value):
+            raise UserError(
+                f"{name} = {value!r} must be {limit.wanted}, e.g. --gin.{name}={limit.example}"
+            )
