@@ -6,8 +6,12 @@ binding left by one (say the real T5 vocabulary on gs://) would leak into the ne
 
 import os
 
-import gin
-import pytest
+# transformers serves the tests as a PyTorch reference; with TensorFlow (and Keras 3) installed
+# it would also load its TensorFlow classes, which refuse Keras 3 (pipeline() imports them).
+os.environ.setdefault("USE_TF", "0")
+
+import gin  # noqa: E402
+import pytest  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

@@ -28,8 +28,17 @@ VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS = 128, 64, 2, 32, 128, 2
 EOS = 1
 VARIANTS = {
     "1.0": {"feed_forward_proj": "relu", "tie_word_embeddings": True},
+    # T5 1.1, and with it Flan-T5, T5 1.1 LM-adapted and mT5 (their config.json differ from it
+    # only in sizes and vocabulary).
     "1.1": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+    # ByT5's shape: as 1.1, with an encoder deeper than its decoder (3:1 in every ByT5 size).
+    "byt5": {
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "num_decoder_layers": 1,
+    },
 }
+SEEDS = {"1.0": 10, "1.1": 11, "byt5": 12}
 
 
 def _hf_model(variant: str) -> transformers.T5ForConditionalGeneration:
@@ -40,11 +49,10 @@ def _hf_model(variant: str) -> transformers.T5ForConditionalGeneration:
         d_ff=D_FF,
         num_heads=HEADS,
         num_layers=LAYERS,
-        num_decoder_layers=LAYERS,
         dropout_rate=0.0,
-        **VARIANTS[variant],
+        **{"num_decoder_layers": LAYERS, **VARIANTS[variant]},
     )
-    torch.manual_seed({"1.0": 10, "1.1": 11}[variant])
+    torch.manual_seed(SEEDS[variant])
     model = transformers.T5ForConditionalGeneration(config).eval()
     # At Hugging Face's initial scale the residual stream is mostly the input embedding, so a
     # tied model's greedy decode copies its start token 0 forever; louder attention and

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from t5tpu.tools import bench, convert, prepare_quora
+from t5tpu.tools import bench, convert, prepare_quora, vertex
 
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 
@@ -132,6 +132,7 @@ EVAL = GinCommand(
         _EVAL_SPLIT,
         _EVAL_BATCH_SIZE,
         Macro("EVAL_NUM_EXAMPLES", "None", "evaluate only the first N examples (None: all)"),
+        Macro("EVAL_OUTPUT_DIR", "None", "where metrics go (None: MODEL_DIR)"),
         _NUM_BEAMS,
     ),
     example=f"t5tpu eval --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
@@ -154,13 +155,15 @@ INFER = GinCommand(
         Macro("INFER_SPLIT", "'validation'", "the task split to decode without inputs given"),
         Macro("INFER_NUM_EXAMPLES", "None", "decode only the first N inputs (None: all)"),
         Macro("INFER_BATCH_SIZE", "32", "inputs decoded together"),
+        Macro("INFER_OUTPUT_DIR", "None", "where predictions go (None: MODEL_DIR)"),
+        Macro("INFER_TRUNCATION", "'warn'", "long inputs: 'warn' truncates them, 'error' refuses"),
         Macro("TEMPERATURE", "0.0", "above 0: sampling instead of greedy decoding"),
         Macro("TOP_K", "0", "sample from the k most likely tokens (0: all)"),
         _NUM_BEAMS,
     ),
     example=f"t5tpu infer --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
     "--gin.INFER_INPUT_FILE=\"'examples/questions.txt'\"",
-    notes=("predictions go to MODEL_DIR/inference/<source>-<step>.jsonl",),
+    notes=("predictions go to MODEL_DIR/inference/<source>-<step>.jsonl (or INFER_OUTPUT_DIR's)",),
 )
 
 PLAN = GinCommand(
@@ -188,6 +191,7 @@ TOOLS = {
         ToolCommand(module=prepare_quora, tensorflow=True, compilation_cache=False),
         ToolCommand(module=convert, tensorflow=True, compilation_cache=True),
         ToolCommand(module=bench, tensorflow=True, compilation_cache=True),
+        ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
     )
 }
 USAGE = (

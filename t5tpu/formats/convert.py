@@ -16,14 +16,15 @@
 from __future__ import annotations
 
 import os
+import tempfile
 
 import gin
 import jax
 import orbax.checkpoint as ocp
-import tensorflow as tf
+from etils import epath
 
 from t5tpu import gin_setup, package_files
-from t5tpu.data import vocab
+from t5tpu.data import availability, vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import hf_format, mesh_tf_format, param_mapping, t5x_format
 from t5tpu.model import layer_stacking
@@ -59,14 +60,16 @@ def _t5tpu_step_dir(path: str) -> tuple[str, int] | None:
     """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory, else None."""
     path = _absolute(path.rstrip("/"))  # orbax needs absolute paths
     step = step_of(path)
-    if step is not None and tf.io.gfile.isdir(os.path.join(path, "params")):
+    if step is not None and epath.Path(path, "params").is_dir():
         return os.path.dirname(path), step
     return None
 
 
-def detect_format(path: str) -> str:
-    """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory)."""
-    if not tf.io.gfile.exists(path) and not tf.io.gfile.exists(f"{path}.index"):  # Mesh TF prefix
+def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
+    """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory); `setting`
+    names the path in errors."""
+    availability.check_storage(path, setting)
+    if not epath.Path(path).exists() and not epath.Path(f"{path}.index").exists():  # Mesh TF
         raise UserError(f"checkpoint {path} does not exist")
     if hf_format.is_hf_directory(path):
         return "hf"
@@ -171,7 +174,9 @@ def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
     )
     if inside:
         raise UserError(f"--output_dir={output_dir} contains --input; choose another directory")
-    if tf.io.gfile.exists(output_dir) and tf.io.gfile.listdir(output_dir) and not overwrite:
+    availability.check_storage(output_dir, "--output_dir")
+    output = epath.Path(output_dir)
+    if output.exists() and any(output.iterdir()) and not overwrite:
         raise UserError(
             f"--output_dir={output_dir} already exists and is not empty; pass --overwrite to "
             "replace it, or choose another directory"
@@ -180,9 +185,10 @@ def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
 
 def _replace_output(output_dir: str) -> None:
     """Empties the output directory; called only once everything has been read."""
-    if tf.io.gfile.exists(output_dir):
-        tf.io.gfile.rmtree(output_dir)
-    tf.io.gfile.makedirs(output_dir)
+    output = epath.Path(output_dir)
+    if output.exists():
+        output.rmtree()
+    output.mkdir(parents=True, exist_ok=True)
 
 
 def save_params(output_dir: str, step: int, params) -> str:
@@ -204,7 +210,8 @@ def to_t5tpu(
 ) -> None:
     """Writes a Hugging Face, T5X or Mesh TF checkpoint (`source`, else detected) as
     output_dir/checkpoint_<step> plus model.gin; `command` is recorded in model.gin."""
-    source = source or detect_format(input_path)
+    availability.check_storage(input_path, "--input")
+    source = source or detect_format(input_path, "--input")
     if source not in IMPORTERS:
         raise UserError(
             f"{input_path} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it"
@@ -221,7 +228,7 @@ def to_t5tpu(
     checkpoint = save_params(output_dir, step, params)
     if vocabulary_file:
         copied = os.path.join(output_dir, hf_format.VOCABULARY_FILE)
-        tf.io.gfile.copy(vocabulary_file, copied, overwrite=True)
+        epath.Path(vocabulary_file).copy(copied, overwrite=True)
         vocabulary_file = copied
     assumed = "" if source == "hf" else _assumptions(config)
     text = model_gin(
@@ -233,8 +240,7 @@ def to_t5tpu(
         assumed=assumed,
     )
     gin_path = os.path.join(output_dir, MODEL_GIN)
-    with tf.io.gfile.GFile(gin_path, "w") as f:
-        f.write(text)
+    epath.Path(gin_path).write_text(text)
     print(
         f"wrote {checkpoint} ({_count(params):,} parameters) and {gin_path}; fine-tune with: "
         f"t5tpu train --gin_file=EXPERIMENT.gin --gin_file={gin_path}",
@@ -250,10 +256,11 @@ def _assumptions(config: T5Config) -> str:
 
 def _export_source(path: str) -> tuple[str, int]:
     """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory or the newest in a MODEL_DIR."""
+    availability.check_storage(path, "--input")
     found = _t5tpu_step_dir(path)
     if found:
         return found
-    if not tf.io.gfile.isdir(path):
+    if not epath.Path(path).is_dir():
         raise UserError(f"--input={path} is not a directory; give a t5tpu checkpoint_<step>")
     model_dir = _absolute(path.rstrip("/"))
     try:
@@ -277,9 +284,10 @@ def _vocabulary_bound() -> bool:
     return False
 
 
-def _gin_model(gin_files: list[str], shapes: dict[str, tuple]):
+def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
     """(T5Config, vocabulary file, extra ids) bound by the gin files, checked against the
-    checkpoint's shapes; without gin files, the geometry the shapes give and no vocabulary."""
+    checkpoint's shapes (None: checked when the parameters are read); without gin files, the
+    geometry the shapes give and no vocabulary."""
     flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
     if not gin_files:
         config = param_mapping.config_from_flat_shapes(flat)
@@ -302,9 +310,8 @@ def _gin_model(gin_files: list[str], shapes: dict[str, tuple]):
         raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
     finally:
         gin.clear_config()
-    differences = checkpoints.geometry_differences(
-        shapes, param_mapping.model_shapes(param_mapping.abstract_params(config))
-    )
+    expected = param_mapping.model_shapes(param_mapping.abstract_params(config))
+    differences = shapes is not None and checkpoints.geometry_differences(shapes, expected)
     if differences:
         raise UserError(
             f"{', '.join(gin_files)} describe another model than the checkpoint ({differences}); "
@@ -313,6 +320,19 @@ def _gin_model(gin_files: list[str], shapes: dict[str, tuple]):
     if vocabulary is None:
         return config, None, 0
     return config, vocabulary.sentencepiece_model_file, vocabulary.extra_ids
+
+
+def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:
+    """`gin_files` with remote ones (the config.gin beside a gs:// checkpoint) copied into
+    `staging` through epath: gin opens files with open() alone."""
+    readable = []
+    for index, path in enumerate(gin_files):
+        if "://" in path:
+            local = os.path.join(staging, f"{index}_{os.path.basename(path)}")
+            epath.Path(local).write_bytes(epath.Path(path).read_bytes())
+            path = local
+        readable.append(path)
+    return readable
 
 
 def to_hf(
@@ -329,12 +349,15 @@ def to_hf(
     if source not in (None, "t5tpu"):
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
     run_dir, step = _export_source(input_path)
+    checkpoints.check_readable(run_dir, step)  # a half-copied one: one line, nothing written
     _check_output(output_dir, input_path, overwrite)
     mngr = checkpoints.manager(run_dir, read_only=True)
     shapes = checkpoints.flat_shapes(mngr.item_metadata(step)["params"])
     beside = [os.path.join(run_dir, name) for name in (MODEL_GIN, TRAIN_CONFIG)]
-    gin_files = gin_files or [path for path in beside if tf.io.gfile.exists(path)][:1]
-    config, vocabulary_file, extra_ids = _gin_model(gin_files, shapes)
+    gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
+    with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
+        readable = _readable_gin_files(gin_files, staging)
+        config, vocabulary_file, extra_ids = model_from_gin(readable, shapes)
     abstract = param_mapping.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
     _replace_output(output_dir)

@@ -10,7 +10,8 @@ torch Linear weights, [out, in]: the transpose of T5X's flat layout.
 Safetensors is read and written here from its published layout (8-byte little-endian header
 length, a JSON header of {name: dtype, shape, data_offsets}, then the raw little-endian bytes), so
 gs:// directories are read tensor by tensor and no extra package is needed; pytorch_model.bin
-needs torch, which is only imported for it.
+needs torch, which is only imported for it. Files go through etils' epath, as everything t5tpu
+reads and writes beside its checkpoints (TensorFlow's gs:// client on a TPU VM, gcsfs elsewhere).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import struct
 import flax.linen as nn
 import ml_dtypes
 import numpy as np
-import tensorflow as tf
+from etils import epath
 from flax import traverse_util
 
 from t5tpu.errors import UserError
@@ -31,6 +32,7 @@ from t5tpu.model.network import T5Config
 
 CONFIG_FILE = "config.json"
 VOCABULARY_FILE = "spiece.model"
+GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_FILE = "pytorch_model.bin"
 INDEX_SUFFIX = ".index.json"
@@ -142,13 +144,12 @@ def hf_config(config: T5Config) -> dict:
 
 
 def _read_json(path: str) -> dict:
-    with tf.io.gfile.GFile(path, "r") as f:
-        return json.loads(f.read())
+    return json.loads(epath.Path(path).read_text())
 
 
 def read_hf_config(directory: str) -> dict:
     path = os.path.join(directory, CONFIG_FILE)
-    if not tf.io.gfile.exists(path):
+    if not epath.Path(path).exists():
         raise UserError(f"no {CONFIG_FILE} in {directory}; point at a Hugging Face T5 directory")
     try:
         return _read_json(path)
@@ -166,17 +167,17 @@ def load_step(directory: str) -> int:
 
 
 def is_hf_directory(path: str) -> bool:
-    return tf.io.gfile.exists(os.path.join(path, CONFIG_FILE))
+    return epath.Path(path, CONFIG_FILE).exists()
 
 
 def vocabulary(directory: str) -> tuple[str | None, int]:
     """(spiece.model path or None, its number of extra ids) of a Hugging Face directory."""
     path = os.path.join(directory, VOCABULARY_FILE)
-    if not tf.io.gfile.exists(path):
+    if not epath.Path(path).exists():
         return None, 0
     tokenizer_config = os.path.join(directory, "tokenizer_config.json")
     extra_ids = 100  # T5Tokenizer's default, which every published T5 uses
-    if tf.io.gfile.exists(tokenizer_config):
+    if epath.Path(tokenizer_config).exists():
         extra_ids = _read_json(tokenizer_config).get("extra_ids", extra_ids)
     return path, extra_ids
 
@@ -244,7 +245,7 @@ class SafetensorsFile:
 
     def __init__(self, path: str):
         self.path = path
-        self._file = tf.io.gfile.GFile(path, "rb")
+        self._file = epath.Path(path).open("rb")
         (header_size,) = struct.unpack("<Q", self._file.read(8))
         try:
             header = json.loads(self._file.read(header_size))
@@ -280,7 +281,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with tf.io.gfile.GFile(path, "wb") as f:
+    with epath.Path(path).open("wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for array in arrays.values():
             f.write(array.tobytes())
@@ -297,7 +298,7 @@ class TorchFile:
                 f"{path} is a PyTorch file and torch is not installed; pip install torch, or "
                 "use a directory with model.safetensors"
             ) from None
-        with tf.io.gfile.GFile(path, "rb") as f:
+        with epath.Path(path).open("rb") as f:
             self._tensors = torch.load(f, map_location="cpu", weights_only=True)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
@@ -332,10 +333,10 @@ class WeightStore:
 
 def _shard_files(directory: str, base: str) -> list[str]:
     """[base] if the single file exists, else the files its index lists, else []."""
-    if tf.io.gfile.exists(os.path.join(directory, base)):
+    if epath.Path(directory, base).exists():
         return [base]
     index = os.path.join(directory, base + INDEX_SUFFIX)
-    if tf.io.gfile.exists(index):
+    if epath.Path(index).exists():
         return sorted(set(_read_json(index)["weight_map"].values()))
     return []
 
@@ -367,17 +368,42 @@ def export(
     vocabulary_file: str | None = None,
     extra_ids: int = 0,
 ) -> None:
-    """Writes config.json + model.safetensors (+ spiece.model) that transformers'
-    T5ForConditionalGeneration.from_pretrained loads. The tensors are the ones save_pretrained
+    """Writes config.json + model.safetensors (+ spiece.model and the tokenizer's files) and
+    generation_config.json, which transformers' from_pretrained, AutoTokenizer and
+    pipeline("text2text-generation") load offline. The tensors are the ones save_pretrained
     writes: no per-stack copies of the embedding, lm_head only when it is not tied."""
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
     tensors = {hf_name(name): to_hf(name, array) for name, array in flat.items()}
-    tf.io.gfile.makedirs(output_dir)
-    with tf.io.gfile.GFile(os.path.join(output_dir, CONFIG_FILE), "w") as f:
-        f.write(json.dumps(hf_config(config), indent=2, sort_keys=True) + "\n")
+    output = epath.Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    _write_json(output / CONFIG_FILE, hf_config(config))
+    _write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG)
     write_safetensors(os.path.join(output_dir, SAFETENSORS_FILE), dict(sorted(tensors.items())))
     if vocabulary_file:
-        tf.io.gfile.copy(vocabulary_file, os.path.join(output_dir, VOCABULARY_FILE), overwrite=True)
-        tokenizer = {"tokenizer_class": "T5Tokenizer", "extra_ids": extra_ids}
-        with tf.io.gfile.GFile(os.path.join(output_dir, "tokenizer_config.json"), "w") as f:
-            f.write(json.dumps(tokenizer, indent=2) + "\n")
+        epath.Path(vocabulary_file).copy(output / VOCABULARY_FILE, overwrite=True)
+        _write_tokenizer_files(output, extra_ids)
+
+
+# T5's ids: 0 pads and starts the decoder, 1 ends a sequence, 2 is unknown; every T5 vocabulary
+# (and t5tpu's decoding) uses them.
+_GENERATION_CONFIG = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
+
+
+def _write_json(path: epath.Path, content: dict) -> None:
+    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+
+
+def _write_tokenizer_files(output: epath.Path, extra_ids: int) -> None:
+    """T5Tokenizer's files for spiece.model with `extra_ids` sentinels (<extra_id_0>...)."""
+    sentinels = [f"<extra_id_{i}>" for i in range(extra_ids)]
+    special = {**_SPECIAL_TOKENS, "additional_special_tokens": sentinels}
+    tokenizer = {
+        "tokenizer_class": "T5Tokenizer",
+        "extra_ids": extra_ids,
+        "model_max_length": 512,
+        "legacy": True,  # as the published T5 tokenizers: sentencepiece's own tokenization
+        **special,
+    }
+    _write_json(output / "tokenizer_config.json", tokenizer)
+    _write_json(output / "special_tokens_map.json", special)

@@ -78,7 +78,9 @@ class EncoderDecoderModel:
         decoder = jnp.ones((1, target_length), jnp.int32)
         return self.module.init(rng, encoder, decoder)["params"]
 
-    def _logits(self, params, batch, dropout_rng=None):
+    def logits(self, params, batch, dropout_rng=None):
+        """[batch, target length, vocab] logits of the decoder inputs given the encoder inputs;
+        with `dropout_rng`, in training mode (dropout on)."""
         deterministic = dropout_rng is None
         return self.module.apply(
             {"params": params},
@@ -93,7 +95,7 @@ class EncoderDecoderModel:
     def loss(self, params, batch, dropout_rng=None) -> tuple[Array, dict[str, Array]]:
         """Summed weighted loss and its parts (sums: microbatches add them up before the
         trainer divides by `normalizer`)."""
-        logits = self._logits(params, batch, dropout_rng)
+        logits = self.logits(params, batch, dropout_rng)
         targets = batch["decoder_target_tokens"]
         weights = batch.get("decoder_loss_weights", (targets > 0).astype(jnp.float32))
         token_loss, z_term = cross_entropy(logits, targets, self.label_smoothing, self.z_loss)
@@ -116,7 +118,7 @@ class EncoderDecoderModel:
 
     def score(self, params, batch) -> Array:
         """Log-likelihood of each example's targets, summed over its tokens."""
-        logits = self._logits(params, batch)
+        logits = self.logits(params, batch)
         targets = batch["decoder_target_tokens"]
         log_p = jax.nn.log_softmax(logits)
         token_ll = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]

@@ -1,0 +1,40 @@
+# The t5tpu command line in a container: `docker run IMAGE train --gin_file=...`, and the image
+# a Vertex AI custom job runs (t5tpu vertex-submit, docs/CLOUD.md).
+#
+#   docker build -t t5tpu .                                  # CPU (CI smoke runs)
+#   docker build --build-arg JAX_EXTRA=tpu -t t5tpu:tpu .    # TPU VMs and Vertex AI TPUs
+#   docker build --build-arg JAX_EXTRA=cuda12 -t t5tpu:gpu . # NVIDIA GPUs
+FROM python:3.11-slim
+
+# "" (CPU), "tpu" (jax[tpu] with libtpu) or "cuda12" (jax[cuda12]); same jax version as pinned.
+ARG JAX_EXTRA=""
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PYTHONUNBUFFERED=1 \
+    TF_CPP_MIN_LOG_LEVEL=2
+
+WORKDIR /opt/t5tpu
+
+# Dependencies first, from pyproject's list and the pinned set, so that a source change
+# rebuilds only the small layer below.
+COPY pyproject.toml constraints.txt ./
+RUN python -c "import tomllib; print('\n'.join(tomllib.load(open('pyproject.toml','rb'))['project']['dependencies']))" > requirements.txt \
+    && pip install -c constraints.txt -r requirements.txt \
+    && if [ -n "$JAX_EXTRA" ]; then \
+         pip install "jax[$JAX_EXTRA]==$(pip show jax | sed -n 's/^Version: //p')" \
+           -f https://storage.googleapis.com/jax-releases/libtpu_releases.html; \
+       fi
+
+COPY README.md ./
+COPY t5tpu ./t5tpu
+COPY configs ./configs
+COPY tasks ./tasks
+RUN pip install --no-deps . && rm -rf build
+
+# Runs as a user without root; MODEL_DIR is a mounted folder or a gs:// path.
+RUN useradd --create-home --uid 1000 t5tpu
+USER t5tpu
+WORKDIR /home/t5tpu
+ENTRYPOINT ["t5tpu"]
+CMD ["--help"]

@@ -1,0 +1,22 @@
+"""t5tpu from Python: `load` a fine-tuned or downloaded T5 and call it, `finetune` with gin.
+
+    import t5tpu
+    model = t5tpu.load("/tmp/t5tpu_demo")          # a MODEL_DIR, HF directory or T5X checkpoint
+    model.predict(["is duplicate: how do i learn python? <SEP> how to learn python?"])
+    model.is_duplicate("How do I learn Python?", "How can I learn Python?")
+
+Everything here is also reachable as `t5tpu.load` / `t5tpu.finetune`; importing `t5tpu` alone
+imports neither jax nor TensorFlow.
+"""
+
+from t5tpu.cli import process_setup
+
+# TensorFlow reads inputs and files; loaded before anything imports it, without its start-up
+# noise, and kept off accelerators, which jax owns.
+process_setup.import_tensorflow_quietly()
+
+from t5tpu.api.finetune import finetune  # noqa: E402
+from t5tpu.api.loading import load  # noqa: E402
+from t5tpu.api.model import T5Model  # noqa: E402
+
+__all__ = ["T5Model", "finetune", "load"]

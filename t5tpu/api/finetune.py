@@ -1,0 +1,56 @@
+"""`t5tpu.finetune`: `t5tpu train` from Python, for notebooks: the same gin files, macros and
+runner, in this process, printing the same progress lines.
+
+    model_dir = t5tpu.finetune(
+        "configs/experiments/qp_is_duplicate_tiny_cpu.gin",
+        model_dir="/tmp/demo", TRAIN_STEPS=200, BATCH_SIZE=16,
+    )
+    model = t5tpu.load(model_dir)
+"""
+
+from __future__ import annotations
+
+from t5tpu.api.loading import library_notes_hidden
+from t5tpu.cli import process_setup
+
+
+def _binding(name: str, value) -> str:
+    # repr() writes Python literals gin reads back (strings quoted, dicts, None, numbers); a
+    # gin reference (e.g. '@adafactor()' or '%MACRO') is passed through as written.
+    if isinstance(value, str) and value[:1] in "@%":
+        return f"{name} = {value}"
+    return f"{name} = {value!r}"
+
+
+def finetune(
+    *gin_files: str,
+    model_dir: str,
+    bindings: list[str] | tuple[str, ...] = (),
+    search_paths: list[str] | tuple[str, ...] = (),
+    **macros,
+) -> str:
+    """Trains as `t5tpu train --gin_file=... --gin.MODEL_DIR=... --gin.NAME=VALUE` would;
+    returns MODEL_DIR. A rerun with the same arguments continues from its newest checkpoint.
+
+    gin_files: experiment (and model, topology) gin files, found as on the command line.
+    macros: macro values as Python values, e.g. TRAIN_STEPS=1000, LEARNING_RATE=1e-3,
+      TASK_FEATURE_LENGTHS={"inputs": 128, "targets": 8}.
+    bindings: any other gin binding as text, e.g. "train.relative_steps = True".
+    Bad settings raise t5tpu.errors.UserError with the message the CLI would print.
+    """
+    from t5tpu import gin_setup  # after TensorFlow, imported quietly
+
+    process_setup.import_tensorflow_quietly()
+    from t5tpu.runners import train
+
+    all_bindings = [
+        _binding("MODEL_DIR", str(model_dir)),
+        *(_binding(name, value) for name, value in macros.items()),
+        *bindings,
+    ]
+    with library_notes_hidden():
+        gin_setup.parse(
+            gin_files=list(gin_files), bindings=all_bindings, search_paths=list(search_paths)
+        )
+        train.train()
+    return str(model_dir)

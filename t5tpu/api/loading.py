@@ -1,0 +1,164 @@
+"""`t5tpu.load`: a T5Model from a t5tpu MODEL_DIR (or one of its checkpoint_N), a Hugging Face
+T5 directory, or a T5X / Mesh TF checkpoint, with its parameters placed on the devices jax has.
+
+What the model is comes from the checkpoint's own description: the model.gin or config.gin
+beside a t5tpu checkpoint, config.json and spiece.model in a Hugging Face directory. A T5X or
+Mesh TF checkpoint describes neither its vocabulary nor its activations, so pass the model gin
+file it was trained with (`gin_files=["configs/models/t5_1_1/base.gin"]`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging as std_logging
+import os
+
+from absl import logging
+from etils import epath
+
+from t5tpu.api.model import Shapes, T5Model
+from t5tpu.data import vocab
+from t5tpu.errors import UserError
+from t5tpu.formats import convert
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.model.network import T5Config
+from t5tpu.partitioning import Partitioner
+from t5tpu.storage import checkpoints
+from t5tpu.storage import model_dir as paths
+from t5tpu.training import trainer
+
+# The shapes parameters are laid out for; any length works at call time (relative positions).
+_INIT_LENGTHS = (8, 8)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Description:
+    """What a checkpoint says about its model: geometry, vocabulary (None: unknown, so only
+    `logits`, `score` on ids and `generate_ids` work) and where its parameters are."""
+
+    config: T5Config
+    vocabulary: object | None
+    checkpoint: str
+
+
+def _newest_checkpoint(model_dir: str, step: int | None) -> str:
+    """checkpoint_<step> of a MODEL_DIR: its newest readable one when step is None."""
+    steps = checkpoints.steps_to_restore(model_dir, "latest" if step is None else step)
+    return paths.checkpoint_dir(model_dir, steps[0])
+
+
+def _is_model_dir(path: str) -> bool:
+    folder = epath.Path(path)
+    return folder.is_dir() and any(folder.glob(f"{paths.STEP_PREFIX}_*"))
+
+
+def _t5tpu_description(checkpoint: str, gin_files: list[str]) -> _Description:
+    """A t5tpu checkpoint, described by `gin_files` or else the model.gin or config.gin beside
+    it (without either, its geometry as the shapes tell and no vocabulary)."""
+    run_dir = os.path.dirname(checkpoint.rstrip("/"))
+    beside = [os.path.join(run_dir, name) for name in (paths.MODEL_GIN, paths.TRAIN_CONFIG)]
+    gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
+    mngr = checkpoints.manager(run_dir, read_only=True)
+    shapes = checkpoints.flat_shapes(mngr.item_metadata(paths.step_of(checkpoint))["params"])
+    config, vocabulary_file, extra_ids = convert.model_from_gin(gin_files, shapes)
+    if vocabulary_file is None and not gin_files:
+        return _Description(config, None, checkpoint)
+    # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
+    # returns for None.
+    return _Description(config, vocab.default_vocabulary(vocabulary_file, extra_ids), checkpoint)
+
+
+def _imported_description(path: str, gin_files: list[str]) -> _Description:
+    """A Hugging Face, T5X or Mesh TF checkpoint: its own description (config.json and
+    spiece.model; T5X and Mesh TF record neither vocabulary nor activations, so these are
+    T5 1.1's, without a vocabulary) unless `gin_files` give the model."""
+    importer = convert.IMPORTERS[convert.detect_format(path)]
+    if gin_files:  # names and shapes are checked against the checkpoint when it is read
+        config, vocabulary_file, extra_ids = convert.model_from_gin(gin_files, None)
+    else:
+        config = importer.load_config(path)
+        vocabulary_file, extra_ids = importer.vocabulary(path)
+    vocabulary = vocab.default_vocabulary(vocabulary_file, extra_ids) if vocabulary_file else None
+    return _Description(config, vocabulary, path)
+
+
+def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description:
+    # T5X's model dirs hold checkpoint_<step> folders too: load one of those by its own path.
+    if _is_model_dir(path):
+        return _t5tpu_description(_newest_checkpoint(path, step), gin_files)
+    if step is not None:
+        raise UserError(f"step={step} picks a checkpoint of a t5tpu MODEL_DIR; {path} is not one")
+    if convert.detect_format(path) == "t5tpu":
+        return _t5tpu_description(path, gin_files)
+    return _imported_description(path, gin_files)
+
+
+def load(
+    path: str,
+    *,
+    step: int | None = None,
+    gin_files: list[str] | tuple[str, ...] = (),
+    batch_size: int = 8,
+    max_input_length: int = 512,
+    max_target_length: int = 128,
+    partitioner: Partitioner | None = None,
+) -> T5Model:
+    """The model at `path`, ready to call (see T5Model).
+
+    path: a t5tpu MODEL_DIR (its newest readable checkpoint, or `step`), a checkpoint_<step>
+      directory, a Hugging Face T5 directory (config.json + weights, spiece.model for text),
+      or a T5X / Mesh TF checkpoint (with `gin_files`). gs:// paths work as on the CLI.
+    batch_size: rows per compiled call; fewer inputs are padded to it, more run in turns.
+    max_input_length / max_target_length: inputs are truncated to the first (keeping EOS),
+      decoding stops at the second unless a call says otherwise.
+    partitioner: how parameters and batches are laid out; default: every device jax has,
+      data-parallel (parameters replicated), as `t5tpu infer` does on one host.
+    """
+    with library_notes_hidden():
+        description = _describe(str(path), step, list(gin_files))
+        partitioner = partitioner or Partitioner()
+        vocabulary = description.vocabulary or _NoVocabulary()
+        model = EncoderDecoderModel(description.config, vocabulary)
+        abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
+        params = convert.load_pretrained(description.checkpoint, abstract, shardings)
+    shapes = Shapes.for_devices(
+        batch_size=batch_size,
+        max_input_length=max_input_length,
+        max_target_length=max_target_length,
+        data_parallelism=partitioner.data_parallelism,
+    )
+    return T5Model(
+        model=model,
+        params=params,
+        param_shardings=shardings,
+        partitioner=partitioner,
+        shapes=shapes,
+        has_vocabulary=description.vocabulary is not None,
+        source=description.checkpoint,
+    )
+
+
+@contextlib.contextmanager
+def library_notes_hidden():
+    """orbax logs routine notes as absl warnings (a read-only manager, items not restored), gin
+    every search path it tries as an error; failures raise. The CLI hides these logs for the
+    whole run, a notebook only while t5tpu works."""
+    root = std_logging.getLogger()
+    verbosity, root_level = logging.get_verbosity(), root.level
+    logging.set_verbosity(logging.FATAL)  # absl's handler, when absl.app runs the process
+    root.setLevel(std_logging.CRITICAL)  # Python's root logger, which gin and absl log to
+    try:
+        yield
+    finally:
+        logging.set_verbosity(verbosity)
+        root.setLevel(root_level)
+
+
+class _NoVocabulary:
+    """Stands in for the vocabulary of a checkpoint that does not say which it is: ids in and
+    out work (EOS is 1 in every T5 vocabulary); text does not."""
+
+    vocab_size = 0
+    eos_id = 1
+    pad_id = 0

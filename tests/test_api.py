@@ -1,0 +1,182 @@
+"""The Python API (t5tpu.load, t5tpu.finetune) on a tiny model the notebook-style example trains:
+its predictions equal `t5tpu infer`'s, its logits equal transformers' on the exported Hugging
+Face directory, its scores are the logits' log-likelihoods, and repeated calls reuse compiled
+programs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import torch
+import transformers
+from cli_runs import ROOT, TINY_EXPERIMENT, read_jsonl, succeeded, t5tpu
+
+from t5tpu import api
+from t5tpu.api import prompts
+from t5tpu.errors import UserError
+
+STEPS = 60
+QUESTIONS = os.path.join(ROOT, "examples", "questions.txt")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    """examples/python_api.py run as a user would (finetune, load, ask), from another
+    directory."""
+    folder = tmp_path_factory.mktemp("api")
+    model_dir = str(folder / "model")
+    run = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "python_api.py")]
+        + [f"--model_dir={model_dir}", f"--steps={STEPS}"],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"step {STEPS}/{STEPS}" in run.stdout, run.stdout[-2000:]
+    assert run.stdout.count("is_duplicate(") == 2, run.stdout[-2000:]
+    assert not run.stderr.strip(), run.stderr[-2000:]  # no library noise in a notebook
+    return model_dir
+
+
+@pytest.fixture(scope="module")
+def model(model_dir) -> api.T5Model:
+    return api.load(model_dir, batch_size=4)
+
+
+def test_predict_gives_what_the_cli_infer_writes(model, model_dir):
+    with open(QUESTIONS) as f:
+        inputs = [line.strip() for line in f if line.strip()]
+    run = succeeded(
+        t5tpu(
+            "infer",
+            f"--gin_file={TINY_EXPERIMENT}",
+            f"--gin.INFER_INPUT_FILE='{QUESTIONS}'",
+            model_dir=model_dir,
+        )
+    )
+    assert run.returncode == 0
+    rows = read_jsonl(os.path.join(model_dir, "inference", f"questions-{STEPS}.jsonl"))
+    assert model.predict(inputs) == [row["prediction"] for row in rows]
+    # Five inputs with batch_size 4: two calls, the second padded; same answers one at a time.
+    five = inputs + inputs[:2]
+    assert model.predict(five) == [model.predict([text])[0] for text in five]
+
+
+@pytest.fixture(scope="module")
+def hf_dir(model_dir, tmp_path_factory) -> str:
+    """The trained model exported with `t5tpu convert --to=hf`."""
+    folder = str(tmp_path_factory.mktemp("api_hf") / "hf")
+    succeeded(t5tpu("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={folder}"))
+    return folder
+
+
+def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
+    ids = np.array([model.vocabulary.encode("is duplicate: a <SEP> b") + [1]] * 2, np.int32)
+    decoder_ids = np.array([[0, 3, 5, 7], [0, 9, 2, 4]], np.int32)
+
+    ours = model.logits(ids, decoder_ids)
+    from_hf = api.load(hf_dir, batch_size=2)
+    assert (
+        from_hf.logits(ids, decoder_ids).shape
+        == ours.shape
+        == (2, 4, model.model.config.vocab_size)
+    )
+    np.testing.assert_allclose(from_hf.logits(ids, decoder_ids), ours, rtol=0, atol=1e-5)
+
+    reference = transformers.T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
+    with torch.no_grad():
+        theirs = reference(
+            input_ids=torch.tensor(ids, dtype=torch.long),
+            decoder_input_ids=torch.tensor(decoder_ids, dtype=torch.long),
+        ).logits.numpy()
+    np.testing.assert_allclose(ours, theirs[..., : ours.shape[-1]], rtol=0, atol=2e-4)
+    # The exported directory carries the vocabulary: text works there too.
+    assert from_hf.predict(["is duplicate: a <SEP> b"]) == model.predict(
+        ["is duplicate: a <SEP> b"]
+    )
+
+
+def test_the_exported_directory_runs_in_a_transformers_pipeline_offline(model, hf_dir):
+    with open(QUESTIONS) as f:
+        inputs = [line.strip() for line in f if line.strip()]
+    # The bundled vocabulary has a user-defined piece (<SEP>) that transformers' converted fast
+    # tokenizer splits differently from sentencepiece; the slow one is sentencepiece itself.
+    tokenizer = transformers.AutoTokenizer.from_pretrained(hf_dir, use_fast=False)
+    for text in inputs:
+        assert tokenizer(text).input_ids == model.vocabulary.encode(text) + [1]
+    generate = transformers.pipeline(
+        "text2text-generation", model=hf_dir, tokenizer=tokenizer, framework="pt"
+    )
+    answers = [row["generated_text"] for row in generate(inputs)]
+    assert answers == model.predict(inputs)
+
+
+def test_score_is_the_log_likelihood_of_the_target_tokens(model):
+    inputs = ["is duplicate: how do i cook rice? <SEP> how to cook rice?"] * 2
+    targets = ["1", "0"]
+    scores = model.score(inputs, targets)
+    ids = np.array([model.vocabulary.encode(inputs[0]) + [1]] * 2)
+    for row, target in enumerate(targets):
+        target_ids = model.vocabulary.encode(target) + [1]
+        logits = model.logits(ids[row : row + 1], np.array([[0, *target_ids[:-1]]]))[0]
+        log_p = jax.nn.log_softmax(logits)
+        expected = sum(float(log_p[i, token]) for i, token in enumerate(target_ids))
+        assert scores[row] == pytest.approx(expected, abs=1e-4)
+    assert scores.dtype == np.float32 and np.all(scores < 0)
+
+
+def test_generate_ids_beam_and_sampling_settings(model):
+    ids = [model.vocabulary.encode("is duplicate: a <SEP> b") + [1]]
+    greedy = model.generate_ids(ids, max_new_tokens=6)
+    assert greedy.shape == (1, 6) and 1 in greedy[0].tolist()  # ends with EOS
+    assert (
+        model.vocabulary.decode(greedy[0].tolist()) == model.predict(["is duplicate: a <SEP> b"])[0]
+    )
+    assert model.generate_ids(ids, max_new_tokens=6, num_beams=3).shape == (1, 6)
+    sampled = [model.generate_ids(ids, max_new_tokens=6, temperature=1.0, seed=s) for s in (0, 0)]
+    np.testing.assert_array_equal(*sampled)  # seeded
+    with pytest.raises(UserError, match="NUM_BEAMS"):
+        model.generate_ids(ids, num_beams=0)
+
+
+def test_repeated_calls_of_similar_size_reuse_one_compiled_program(model):
+    model.predict(["is duplicate: x <SEP> y"])
+    decoder = model._decoder(model.shapes.max_target_length, api.model.decoding.DecodingSettings())
+    compiled = decoder._cache_size()
+    for texts in (["is duplicate: a <SEP> b"] * 3, ["is duplicate: what? <SEP> why?"] * 2):
+        model.predict(texts)
+    assert decoder._cache_size() == compiled
+
+
+def test_task_helpers_use_the_tasks_own_preprocessing(model):
+    # Quora's tasks lower-case and drop double quotes before formatting, as in training.
+    assert prompts.quora_pair('How do I "Learn" X?', "Why Y?") == (
+        "is duplicate: how do i learn x? <SEP> why y?"
+    )
+    assert prompts.similar_question("How Do I Cook?") == "generate similar question: how do i cook?"
+    assert prompts.squad("Who?", "Ada did.") == "question: Who? context: Ada did."
+    assert prompts.postprocess("squad_v2", " unanswerable ") == ""
+    verdict = model.is_duplicate("How do I cook rice?", "How to cook rice?")
+    expected = model.predict([prompts.quora_pair("How do I cook rice?", "How to cook rice?")])
+    assert verdict == (expected[0].strip() == "1")
+
+
+def test_a_named_step_and_bad_calls(model_dir, model):
+    same = api.load(model_dir, step=STEPS)
+    equal = jax.tree_util.tree_map(lambda a, b: bool(np.all(a == b)), same.params, model.params)
+    assert all(jax.tree_util.tree_leaves(equal))
+    with pytest.raises(UserError, match=f"{STEPS + 5}"):
+        api.load(model_dir, step=STEPS + 5)
+    with pytest.raises(UserError, match="does not exist"):
+        api.load(os.path.join(model_dir, "no_such_dir"))
+    with pytest.raises(UserError, match="list of strings"):
+        model.predict("is duplicate: a <SEP> b")
+    with pytest.raises(UserError, match="2 inputs but 1 targets"):
+        model.score(["a", "b"], ["c"])

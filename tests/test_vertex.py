@@ -1,0 +1,118 @@
+"""`t5tpu vertex-submit --dry_run`: the Vertex AI CustomJob spec for TPU and GPU machines, field
+by field, with no network; bad requests end in one line, exit 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from cli_runs import t5tpu
+
+from t5tpu.errors import UserError
+from t5tpu.tools import vertex, vertex_spec
+
+EXPERIMENT = "configs/experiments/squad_v1_base_v2-8.gin"
+IMAGE = "us-docker.pkg.dev/my-project/t5tpu/t5tpu:tpu"
+COMMON = [f"--gin_file={EXPERIMENT}", f"--image={IMAGE}", "--staging_bucket=gs://my-bucket"]
+
+
+def _job(*argv: str) -> dict:
+    return vertex_spec.custom_job(vertex.request(vertex.parse_args([*COMMON, *argv])))
+
+
+@pytest.mark.parametrize("tpu, accelerator", [("v2-8", "TPU_V2"), ("v3-8", "TPU_V3")])
+def test_tpu_jobs_run_t5tpu_train_on_a_cloud_tpu(tpu, accelerator):
+    job = _job(f"--tpu={tpu}", "--display_name=squad-base", "--gin.TRAIN_STEPS=1000")
+    assert job["display_name"] == "squad-base"
+    (pool,) = job["job_spec"]["worker_pool_specs"]
+    assert pool["machine_spec"] == {
+        "machine_type": "cloud-tpu",
+        "accelerator_type": accelerator,
+        "accelerator_count": 8,
+    }
+    assert pool["replica_count"] == 1
+    assert pool["container_spec"] == {
+        "image_uri": IMAGE,
+        "args": [
+            "train",
+            f"--gin_file={EXPERIMENT}",
+            "--gin.MODEL_DIR='gs://my-bucket/t5tpu/squad-base'",
+            "--gin.TRAIN_STEPS=1000",
+        ],
+    }
+    output = job["job_spec"]["base_output_directory"]["output_uri_prefix"]
+    assert output == "gs://my-bucket/t5tpu/squad-base"
+
+
+def test_a_gpu_job_with_its_own_model_dir_command_and_environment():
+    job = _job(
+        "--gpu=a100:8",
+        "--command=eval",
+        "--gin.MODEL_DIR='gs://other/run1'",
+        "--gin_bindings=EVAL_BATCH_SIZE = 64",
+        "--env=XLA_PYTHON_CLIENT_MEM_FRACTION=0.9",
+    )
+    (pool,) = job["job_spec"]["worker_pool_specs"]
+    assert pool["machine_spec"] == {
+        "machine_type": "a2-highgpu-8g",
+        "accelerator_type": "NVIDIA_TESLA_A100",
+        "accelerator_count": 8,
+    }
+    assert pool["container_spec"]["args"] == [
+        "eval",
+        f"--gin_file={EXPERIMENT}",
+        "--gin.MODEL_DIR='gs://other/run1'",
+        "--gin.EVAL_BATCH_SIZE=64",
+    ]
+    assert pool["container_spec"]["env"] == [
+        {"name": "XLA_PYTHON_CLIENT_MEM_FRACTION", "value": "0.9"}
+    ]
+    assert job["job_spec"]["base_output_directory"]["output_uri_prefix"] == "gs://other/run1"
+
+
+def test_dry_run_prints_the_spec_as_json_without_network():
+    run = t5tpu("vertex-submit", *COMMON, "--tpu=v3-8", "--dry_run")
+    assert run.returncode == 0, run.stderr
+    assert json.loads(run.stdout) == _job("--tpu=v3-8")
+    assert not run.stderr.strip()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--tpu=v4-8"], "invalid choice"),
+        (["--gpu=a100:3"], "a100:3"),
+        (["--tpu=v2-8", "--gpu=a100:1"], "not allowed with"),
+        (["--tpu=v2-8", "--staging_bucket=my-bucket"], "gs://BUCKET"),
+        (["--tpu=v2-8", "--gin_file=my_experiment.gin"], "not a shipped config"),
+        (["--tpu=v2-8", "--env=NOVALUE"], "NAME=VALUE"),
+    ],
+)
+def test_bad_requests_are_one_line_exit_2(argv, message):
+    run = t5tpu("vertex-submit", *COMMON, *argv, "--dry_run")
+    assert run.returncode == 2, run.stderr
+    lines = run.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("t5tpu: error: ") and message in lines[0]
+    assert not run.stdout
+
+
+def test_gs_gin_files_are_taken_as_given():
+    job = _job("--tpu=v2-8", "--gin_file=gs://my-bucket/gin/mine.gin")
+    args = job["job_spec"]["worker_pool_specs"][0]["container_spec"]["args"]
+    assert "--gin_file=gs://my-bucket/gin/mine.gin" in args
+
+
+def test_submitting_without_the_vertex_extra_says_how_to_install_it(monkeypatch):
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_google(name, *args, **kwargs):
+        if name.startswith("google.cloud"):
+            raise ImportError(name)
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_google)
+    args = vertex.parse_args([*COMMON, "--tpu=v2-8"])
+    with pytest.raises(UserError, match=r"t5tpu\[vertex\]"):
+        vertex.run(args)
