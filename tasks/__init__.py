@@ -5,13 +5,13 @@ parsed, so every task is built with the vocabulary that the run's gin files bind
 """
 
 import seqio
-from t5tpu.tasks import quora, squad
+from t5tpu.tasks import quora, squad, text_to_text
 
 from t5tpu.data import vocab
 
 # Each module here exposes register(vocabulary) returning what it registered: one seqio Task or
 # Mixture, or a list of them or of their names.
-_TASK_MODULES = (quora, squad)
+_TASK_MODULES = (quora, squad, text_to_text)
 
 
 def register_builtin_tasks() -> list[str]:

@@ -6,6 +6,8 @@ Values are percentages, as T5 reports them.
 from collections.abc import Sequence
 
 import sacrebleu
+from rouge_score import rouge_scorer
+from t5tpu.tasks import squad_metrics
 
 POSITIVE_LABEL = "1"
 NEGATIVE_LABEL = "0"
@@ -49,6 +51,31 @@ def bleu(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]
     if not targets:
         return {"bleu": 0.0}
     return {"bleu": sacrebleu.corpus_bleu(list(predictions), [list(targets)]).score}
+
+
+def token_f1(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
+    """Mean word-overlap F1 of each prediction with its target, after SQuAD's normalization
+    (lower case, no punctuation or articles)."""
+    _check_lengths(targets, predictions)
+    scores = [squad_metrics.token_f1(p, t) for t, p in zip(targets, predictions, strict=True)]
+    return {"f1": 100.0 * sum(scores) / len(scores) if scores else 0.0}
+
+
+ROUGE_TYPES = ("rouge1", "rouge2", "rougeLsum")
+
+
+def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float]:
+    """Mean ROUGE-1, ROUGE-2 and ROUGE-Lsum F-measures (Google's rouge-score, with stemming,
+    as T5's summarization results use), one reference per prediction."""
+    _check_lengths(targets, predictions)
+    scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
+    totals = dict.fromkeys(ROUGE_TYPES, 0.0)
+    for target, prediction in zip(targets, predictions, strict=True):
+        scores = scorer.score(target, prediction)
+        for kind in ROUGE_TYPES:
+            totals[kind] += scores[kind].fmeasure
+    count = max(len(targets), 1)
+    return {kind: 100.0 * total / count for kind, total in totals.items()}
 
 
 def _as_label(target: str, prediction: str) -> tuple[str, str]:

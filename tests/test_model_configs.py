@@ -1,4 +1,5 @@
-"""The model gin files build the published T5 geometries, counted without allocating them."""
+"""The model gin files build the published T5, mT5 and ByT5 geometries, counted without
+allocating them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import gin
 import jax
 import jax.numpy as jnp
 import pytest
+import seqio
 from flax import linen as nn
 from flax import traverse_util
 
@@ -19,9 +21,20 @@ from t5tpu import package_files
 
 PACKAGE_DIR = package_files.config_search_path()
 MODELS_DIR = package_files.configs_dir("models")
-PUBLIC_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model"
+PUBLIC_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
+MC4_VOCABULARY = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
 
-# Parameter counts of the published checkpoints (vocabulary padded to 32128).
+# Per family: the padded vocabulary (T5Config.vocab_size) and default_vocabulary's bindings.
+# mT5's sentinels are pieces of its model file (no extra ids); ByT5 reads bytes, no file.
+FAMILIES = {
+    "t5_1_0": (32128, {"sentencepiece_model_file": PUBLIC_VOCABULARY, "extra_ids": 100}),
+    "t5_1_1": (32128, {"sentencepiece_model_file": PUBLIC_VOCABULARY, "extra_ids": 100}),
+    "mt5": (250112, {"sentencepiece_model_file": MC4_VOCABULARY, "extra_ids": 0}),
+    "byt5": (384, {"kind": "bytes"}),
+}
+
+# Parameter counts of the published checkpoints. ByT5's beyond small are the geometries of the
+# Hugging Face config.json files, counted by transformers too (T5ForConditionalGeneration).
 PARAMETER_COUNTS = {
     "t5_1_0/small": 60_506_624,
     "t5_1_0/base": 222_903_552,
@@ -33,6 +46,16 @@ PARAMETER_COUNTS = {
     "t5_1_1/large": 783_150_080,
     "t5_1_1/xl": 2_849_757_184,
     "t5_1_1/xxl": 11_135_332_352,
+    "mt5/small": 300_176_768,
+    "mt5/base": 582_401_280,
+    "mt5/large": 1_229_581_312,
+    "mt5/xl": 3_742_619_648,
+    "mt5/xxl": 12_921_057_280,
+    "byt5/small": 299_637_760,
+    "byt5/base": 581_653_248,
+    "byt5/large": 1_228_183_552,
+    "byt5/xl": 3_737_801_728,
+    "byt5/xxl": 12_906_899_328,
 }
 TINY_COUNT = 1_050_368
 
@@ -75,7 +98,9 @@ def test_published_sizes_have_exact_parameter_counts(name, expected):
     # The header comment states the same count.
     assert f"{expected:,} parameters" in first_line(name)
 
-    # MODEL is an EncoderDecoderModel of this config and the public T5 vocabulary.
+    # MODEL is an EncoderDecoderModel of this config and the family's vocabulary.
+    family = name.split("/")[0]
+    vocab_size, vocabulary = FAMILIES[family]
     bound = {
         "MODEL/macro.value": "t5tpu.model.encoder_decoder.EncoderDecoderModel",
         "EncoderDecoderModel.config": "t5tpu.model.network.T5Config",
@@ -84,11 +109,15 @@ def test_published_sizes_have_exact_parameter_counts(name, expected):
     for key, selector in bound.items():
         reference = gin.query_parameter(key)
         assert (reference.configurable.selector, reference.evaluate) == (selector, True), key
-    assert config.vocab_size == 32128
+    assert config.vocab_size == vocab_size
     assert config.dropout_rate == 0.0
-    assert gin.query_parameter("default_vocabulary.sentencepiece_model_file") == PUBLIC_VOCABULARY
-    assert gin.query_parameter("default_vocabulary.extra_ids") == 100
-    if name.startswith("t5_1_0/"):
+    for argument, value in vocabulary.items():
+        assert gin.query_parameter(f"default_vocabulary.{argument}") == value, argument
+    if family == "byt5":
+        with pytest.raises(ValueError):  # bytes need no model file: none is bound
+            gin.query_parameter("default_vocabulary.sentencepiece_model_file")
+        assert config.num_encoder_layers == 3 * config.num_decoder_layers
+    if family == "t5_1_0":
         assert config.mlp_activations == ("relu",)
         assert config.logits_via_embedding
         assert not any(path.startswith("decoder/logits_dense") for path in shapes)
@@ -96,11 +125,11 @@ def test_published_sizes_have_exact_parameter_counts(name, expected):
     else:
         assert config.mlp_activations == ("gelu", "linear")
         assert not config.logits_via_embedding
-        assert shapes["decoder/logits_dense/kernel"] == (config.emb_dim, 32128)
+        assert shapes["decoder/logits_dense/kernel"] == (config.emb_dim, vocab_size)
         assert "encoder/layers_0/mlp/wi_1/kernel" in shapes
 
 
-@pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1"])
+@pytest.mark.parametrize("variant", sorted(FAMILIES))
 def test_dropout_rate_comes_from_the_run(variant):
     gin.clear_config()
     gin.add_config_file_search_path(PACKAGE_DIR)
@@ -110,7 +139,7 @@ def test_dropout_rate_comes_from_the_run(variant):
     assert t5tpu.model.network.T5Config().dropout_rate == 0.1
 
 
-@pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1"])
+@pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1", "mt5"])
 def test_tiny_configs_build_a_model_with_the_bundled_vocabulary(variant):
     config = parse_model_config(f"{variant}/tiny")
     assert (config.vocab_size, config.emb_dim, config.num_heads, config.head_dim) == (
@@ -124,10 +153,25 @@ def test_tiny_configs_build_a_model_with_the_bundled_vocabulary(variant):
     shapes = abstract_param_shapes(config)
     assert sum(math.prod(s) for s in shapes.values()) == TINY_COUNT
     assert f"{TINY_COUNT:,} parameters" in first_line(f"{variant}/tiny")
-    assert ("decoder/logits_dense/kernel" in shapes) == (variant == "t5_1_1")
+    assert ("decoder/logits_dense/kernel" in shapes) == (variant != "t5_1_0")
 
     # The whole MODEL binding resolves on a CPU: the bundled vocabulary fits the embedding.
     model = t5tpu.model.encoder_decoder.EncoderDecoderModel()
     assert model.config == config
     assert model.vocabulary.vocab_size == 1024
     assert model.vocabulary is t5tpu.data.vocab.default_vocabulary()
+
+
+def test_byt5_tiny_builds_a_model_with_the_byte_vocabulary():
+    config = parse_model_config("byt5/tiny")
+    assert (config.vocab_size, config.emb_dim, config.mlp_dim) == (384, 64, 128)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (2, 1)
+    count = sum(math.prod(s) for s in abstract_param_shapes(config).values())
+    assert count == 189_248
+    assert f"{count:,} parameters" in first_line("byt5/tiny")
+
+    # No file to find: the MODEL binding resolves offline, 259 byte ids in 384 embedding rows.
+    model = t5tpu.model.encoder_decoder.EncoderDecoderModel()
+    assert isinstance(model.vocabulary, seqio.ByteVocabulary)
+    assert model.vocabulary.vocab_size == 259
+    assert model.vocabulary is t5tpu.data.vocab.default_vocabulary(kind="bytes")

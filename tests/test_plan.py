@@ -472,6 +472,18 @@ def test_plan_command_on_a_v2_8_experiment():
     assert len(re.findall(r" x(24|1) +\(", out)) == 26  # every parameter role of T5 1.0 large
 
 
+@pytest.mark.parametrize(
+    "model, count", [("mt5/small", "300,176,768"), ("byt5/small", "299,637,760")]
+)
+def test_plan_of_a_model_gin_alone(model, count):
+    """configs/runs/plan.gin, read first, supplies what a model file leaves out (DROPOUT_RATE,
+    finetune.gin's optimizer and batch, lengths, the CPU topology)."""
+    run = t5tpu("plan", f"--gin_file=configs/models/{model}.gin")
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert f"model: {count} parameters (float32)" in run.stdout
+    assert "step: batch 128, inputs 512, targets 128" in run.stdout
+
+
 def test_docs_table_matches_the_plans():
     """docs/memory_plan.md lists every TPU experiment with the plan's activations, peak and fit,
     and each experiment file's header states the same peak."""

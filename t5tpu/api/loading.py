@@ -61,12 +61,12 @@ def _t5tpu_description(checkpoint: str, gin_files: list[str]) -> _Description:
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     mngr = checkpoints.manager(run_dir, read_only=True)
     shapes = checkpoints.flat_shapes(mngr.item_metadata(paths.step_of(checkpoint))["params"])
-    config, vocabulary_file, extra_ids = convert.model_from_gin(gin_files, shapes)
-    if vocabulary_file is None and not gin_files:
-        return _Description(config, None, checkpoint)
-    # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
-    # returns for None.
-    return _Description(config, vocab.default_vocabulary(vocabulary_file, extra_ids), checkpoint)
+    config, vocabulary = convert.model_from_gin(gin_files, shapes)
+    if vocabulary is None and gin_files:
+        # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
+        # returns unbound.
+        vocabulary = vocab.default_vocabulary()
+    return _Description(config, vocabulary, checkpoint)
 
 
 def _imported_description(path: str, gin_files: list[str]) -> _Description:
@@ -75,10 +75,10 @@ def _imported_description(path: str, gin_files: list[str]) -> _Description:
     T5 1.1's, without a vocabulary) unless `gin_files` give the model."""
     importer = convert.IMPORTERS[convert.detect_format(path)]
     if gin_files:  # names and shapes are checked against the checkpoint when it is read
-        config, vocabulary_file, extra_ids = convert.model_from_gin(gin_files, None)
-    else:
-        config = importer.load_config(path)
-        vocabulary_file, extra_ids = importer.vocabulary(path)
+        config, vocabulary = convert.model_from_gin(gin_files, None)
+        return _Description(config, vocabulary, path)
+    config = importer.load_config(path)
+    vocabulary_file, extra_ids = importer.vocabulary(path)
     vocabulary = vocab.default_vocabulary(vocabulary_file, extra_ids) if vocabulary_file else None
     return _Description(config, vocabulary, path)
 

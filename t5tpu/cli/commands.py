@@ -41,6 +41,9 @@ class GinCommand:
     example: str
     notes: tuple[str, ...] = ()
     compilation_cache: bool = True
+    # Parsed before the user's gin files, which rebind what they set (plan: a model gin alone
+    # is enough).
+    defaults_files: tuple[str, ...] = ()
 
     def load_runner(self) -> Callable[[], object]:
         module, function = self.runner.split(":")
@@ -171,11 +174,14 @@ PLAN = GinCommand(
     summary="per-device memory of a training run and whether it fits, before paying for a slice",
     runner="t5tpu.runners.plan:plan",
     run_file="configs/runs/finetune.gin",
+    defaults_files=("configs/runs/plan.gin",),
     macros=(_LENGTHS, _BATCH_SIZE, _MICROBATCHES, _PACKING),
     example="t5tpu plan --gin_file=configs/experiments/qp_is_duplicate_base_v2-8.gin",
     notes=(
         "reads the gin files `t5tpu train` reads (model, topology, run settings); plan.* "
         "bindings (plan.batch_size, ...) override the training run's",
+        "a model gin alone (configs/models/mt5/small.gin) is planned on the CPU topology with "
+        "BATCH_SIZE 128 and lengths 512/128 (configs/runs/plan.gin)",
         "--gin.plan.compile=True also compiles the train step with TPU's compiler (no TPU "
         "needed) and judges the fit by XLA's own memory figures",
     ),

@@ -78,8 +78,10 @@ def main(argv: list[str]) -> None:
             num_processes=gin_flags.NUM_PROCESSES.value,
             process_id=gin_flags.PROCESS_ID.value,
         )
+        gin_files = gin_flags.GIN_FILE.value
         gin_setup.parse(
-            gin_files=gin_flags.GIN_FILE.value,
+            # No --gin_file stays an error: defaults alone describe no run.
+            gin_files=[*command.defaults_files, *gin_files] if gin_files else [],
             bindings=gin_flags.GIN_BINDINGS.value,
             search_paths=gin_flags.GIN_SEARCH_PATHS.value,
         )

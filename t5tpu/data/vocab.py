@@ -1,9 +1,12 @@
 """The vocabulary of the model being run.
 
 Model gin files bind `default_vocabulary.sentencepiece_model_file`: the T5 ones bind the public
-cc_all.32000.100extra model (with extra_ids=100), the tiny CPU ones bind
-`@bundled_vocabulary_file()`, the 1,024-piece model that scripts/train_cpu_vocab.py trains on the
-bundled Quora sample. Tasks are registered with this vocabulary after gin has been parsed.
+cc_all.32000 model with extra_ids=100 (as the t5 library and HF do), the mT5 ones mC4's
+250k-piece model, the tiny CPU ones `@bundled_vocabulary_file()`, the 1,024-piece model that
+scripts/train_cpu_vocab.py trains on the bundled Quora sample. ByT5's bind
+`default_vocabulary.kind = 'bytes'` instead: UTF-8 bytes need no model file. Tasks are
+registered with this vocabulary after gin has been parsed, so whichever kind the model gin picks
+reaches them through this one function.
 """
 
 import functools
@@ -16,6 +19,8 @@ import tensorflow as tf
 from t5tpu import package_files
 from t5tpu.errors import UserError
 
+KINDS = ("sentencepiece", "bytes")
+
 
 @gin.configurable
 def bundled_vocabulary_file() -> str:
@@ -25,13 +30,24 @@ def bundled_vocabulary_file() -> str:
 
 @gin.configurable
 def default_vocabulary(
-    sentencepiece_model_file: str | None = None, extra_ids: int = 0
-) -> seqio.SentencePieceVocabulary:
-    """The vocabulary bound in gin; None means the bundled CPU vocabulary.
+    sentencepiece_model_file: str | None = None, extra_ids: int = 0, kind: str = "sentencepiece"
+) -> seqio.Vocabulary:
+    """The vocabulary bound in gin: a SentencePiece model (None means the bundled CPU one) or,
+    with kind='bytes', seqio's ByteVocabulary (3 special ids, then the 256 byte values).
 
-    Repeated calls with the same file and extra_ids return the same object, so tasks, feature
+    Repeated calls with the same arguments return the same object, so tasks, feature
     converters and decoders all share one loaded model.
     """
+    if kind not in KINDS:
+        raise UserError(f"default_vocabulary.kind = {kind!r}; use one of {', '.join(KINDS)}")
+    if kind == "bytes":
+        # A model file bound beside kind='bytes' would be ignored: say so rather than guess.
+        if sentencepiece_model_file:
+            raise UserError(
+                "default_vocabulary.kind = 'bytes' reads no model file; unbind "
+                "default_vocabulary.sentencepiece_model_file or use kind = 'sentencepiece'"
+            )
+        return _byte_vocabulary(extra_ids)
     path = sentencepiece_model_file or bundled_vocabulary_file()
     # Checked here, before anything is loaded, so a typo ends in one clear line; gs:// paths are
     # left to fail when read, since asking the bucket costs a round trip and credentials.
@@ -46,3 +62,8 @@ def default_vocabulary(
 @functools.cache
 def _load_vocabulary(path: str, extra_ids: int) -> seqio.SentencePieceVocabulary:
     return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+
+
+@functools.cache
+def _byte_vocabulary(extra_ids: int) -> seqio.ByteVocabulary:
+    return seqio.ByteVocabulary(extra_ids=extra_ids)

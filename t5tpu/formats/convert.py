@@ -152,7 +152,7 @@ def model_gin(
     else:
         lines += [
             "# The checkpoint carries no vocabulary: the experiment's model gin binds it (T5's:",
-            "# gs://t5-data/vocabs/cc_all.32000.100extra/sentencepiece.model, 100 extra ids).",
+            "# gs://t5-data/vocabs/cc_all.32000/sentencepiece.model, 100 extra ids).",
         ]
     lines += ["", f"INITIAL_CHECKPOINT_PATH = {checkpoint_path!r}", ""]
     return "\n".join(lines)
@@ -275,6 +275,8 @@ def _vocabulary_bound() -> bool:
     for key in (
         "default_vocabulary.sentencepiece_model_file",
         "MODEL/default_vocabulary.sentencepiece_model_file",
+        "default_vocabulary.kind",
+        "MODEL/default_vocabulary.kind",
     ):
         try:
             gin.query_parameter(key)
@@ -285,14 +287,14 @@ def _vocabulary_bound() -> bool:
 
 
 def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
-    """(T5Config, vocabulary file, extra ids) bound by the gin files, checked against the
+    """(T5Config, seqio vocabulary or None) bound by the gin files, checked against the
     checkpoint's shapes (None: checked when the parameters are read); without gin files, the
     geometry the shapes give and no vocabulary."""
     flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
     if not gin_files:
         config = param_mapping.config_from_flat_shapes(flat)
         print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
-        return config, None, 0
+        return config, None
     gin_setup.import_configurables()
     gin.clear_config()
     for path in (".", package_files.config_search_path()):
@@ -317,9 +319,7 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
             f"{', '.join(gin_files)} describe another model than the checkpoint ({differences}); "
             "pass --gin_file with the checkpoint's model gin file"
         )
-    if vocabulary is None:
-        return config, None, 0
-    return config, vocabulary.sentencepiece_model_file, vocabulary.extra_ids
+    return config, vocabulary
 
 
 def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:
@@ -357,7 +357,10 @@ def to_hf(
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
         readable = _readable_gin_files(gin_files, staging)
-        config, vocabulary_file, extra_ids = model_from_gin(readable, shapes)
+        config, vocabulary = model_from_gin(readable, shapes)
+    # A byte vocabulary (ByT5) has no model file to ship: the export then holds the weights only.
+    vocabulary_file = getattr(vocabulary, "sentencepiece_model_file", None)
+    extra_ids = getattr(vocabulary, "extra_ids", 0)
     abstract = param_mapping.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
     _replace_output(output_dir)

@@ -1,0 +1,147 @@
+"""The user's own TSV or JSONL files as a seqio task, configured from gin alone.
+
+configs/runs/text_to_text.gin binds `text_to_text` to the macros TRAIN_FILES, VALIDATION_FILES,
+TEST_FILES, TEXT_TASK_NAME, INPUT_PREFIX and TEXT_METRICS; data/text_files.py reads the rows.
+Nothing is registered unless some files are bound. The files are read once, when the task is
+registered (after gin is parsed, before anything is compiled), so a malformed row, a missing or
+binary file ends the run in one line before any work; with `text_to_text.skip_malformed = True`
+malformed rows are left out with one warning saying how many.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Sequence
+
+import gin
+import seqio
+import tensorflow as tf
+from t5tpu.tasks import metrics
+
+from t5tpu.data import text_files
+from t5tpu.errors import UserError
+
+METRICS = {
+    "accuracy": metrics.accuracy,
+    "exact_match": metrics.exact_match,
+    "f1": metrics.token_f1,
+    "bleu": metrics.bleu,
+    "rouge": metrics.rouge,
+}
+# The macro that names each split's files, for messages.
+SPLIT_SETTINGS = {"train": "TRAIN_FILES", "validation": "VALIDATION_FILES", "test": "TEST_FILES"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TextTask:
+    name: str
+    files: dict[str, str | Sequence[str]]  # split -> file patterns
+    input_prefix: str
+    input_field: str
+    target_field: str
+    metric_names: tuple[str, ...]
+    skip_malformed: bool
+
+
+@gin.configurable
+def text_to_text(
+    name: str = "text_to_text",
+    train_files: str | Sequence[str] | None = None,
+    validation_files: str | Sequence[str] | None = None,
+    test_files: str | Sequence[str] | None = None,
+    input_prefix: str = "",
+    input_field: str = "input",
+    target_field: str = "target",
+    metric_names: Sequence[str] = ("exact_match",),
+    skip_malformed: bool = False,
+) -> TextTask | None:
+    """The task gin describes; None when no files are bound (the run uses another task)."""
+    given = {"train": train_files, "validation": validation_files, "test": test_files}
+    files = {split: patterns for split, patterns in given.items() if patterns}
+    if not files:
+        return None
+    unknown = [m for m in metric_names if m not in METRICS]
+    if unknown:
+        raise UserError(f"TEXT_METRICS: unknown metric {unknown[0]!r}; choose from {list(METRICS)}")
+    return TextTask(
+        name=name,
+        files=files,
+        input_prefix=input_prefix,
+        input_field=input_field,
+        target_field=target_field,
+        metric_names=tuple(metric_names),
+        skip_malformed=skip_malformed,
+    )
+
+
+def _split_rows(task: TextTask, split: str) -> text_files.Rows:
+    setting = SPLIT_SETTINGS[split]
+    paths = text_files.matching_files(task.files[split], setting)
+    rows = text_files.read_rows(paths, task.input_field, task.target_field)
+    if rows.malformed:
+        count = f"{rows.malformed} of {rows.malformed + len(rows.inputs)} rows"
+        if not task.skip_malformed:
+            raise UserError(
+                f"{setting}: {count} malformed, first {rows.first_problem}; fix them, or set "
+                "text_to_text.skip_malformed = True to leave them out"
+            )
+        print(
+            f"t5tpu: warning: {setting}: left out {count} (first {rows.first_problem})",
+            file=sys.stderr,
+        )
+    if not rows.inputs:
+        raise UserError(f"{setting}: no examples in {', '.join(paths)}")
+    return rows
+
+
+def _source(rows_by_split: dict[str, text_files.Rows]) -> seqio.FunctionDataSource:
+    def dataset(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
+        del shuffle_files, seed  # the rows are in memory; the Task shuffles examples itself
+        rows = rows_by_split[split]
+        return tf.data.Dataset.from_tensor_slices({"inputs": rows.inputs, "targets": rows.targets})
+
+    counts = {split: len(rows.inputs) for split, rows in rows_by_split.items()}
+    return seqio.FunctionDataSource(dataset, splits=list(counts), num_input_examples=counts)
+
+
+def _prefixed(prefix: str):
+    def add_prefix(dataset: tf.data.Dataset) -> tf.data.Dataset:
+        def add(example: dict) -> dict:
+            return {**example, "inputs": tf.strings.join([prefix, example["inputs"]])}
+
+        return dataset.map(add, num_parallel_calls=tf.data.AUTOTUNE)
+
+    return add_prefix
+
+
+def strip_output(output: str, example: dict | None = None, is_target: bool = False) -> str:
+    del example, is_target
+    return output.strip()
+
+
+def register(vocabulary: seqio.Vocabulary) -> list[str]:
+    """Registers the gin-described task with `vocabulary`; [] when no files are bound."""
+    task = text_to_text()
+    if task is None:
+        return []
+    rows = {split: _split_rows(task, split) for split in task.files}
+    features = {
+        "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True),
+        "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True),
+    }
+    seqio.TaskRegistry.remove(task.name)
+    seqio.TaskRegistry.add(
+        task.name,
+        source=_source(rows),
+        output_features=features,
+        preprocessors=[
+            _prefixed(task.input_prefix),
+            seqio.preprocessors.tokenize,
+            seqio.CacheDatasetPlaceholder(),
+            seqio.preprocessors.append_eos_after_trim,
+        ],
+        postprocess_fn=strip_output,
+        metric_fns=[METRICS[name] for name in task.metric_names],
+    )
+    return [task.name]
