@@ -1,6 +1,7 @@
-"""`t5tpu bench` on the tiny model: every workload runs and reports, the HF comparison builds
-the same geometry, and the analytic FLOPs agree with XLA's count. No timing is asserted: the
-benchmark measures speed, the tests check that what it measures is the right thing."""
+"""`t5tpu bench` on the tiny model: every workload runs and reports against the machine's
+limits, --json prints one line per workload, the HF comparison builds the same geometry, and the
+analytic FLOPs and decoding bytes agree with XLA's count and a hand count. No timing is asserted:
+the benchmark measures speed, the tests check that what it measures is the right thing."""
 
 import json
 
@@ -9,35 +10,42 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5tpu.tools import bench, bench_hf, bench_timing, bench_workloads
+from t5tpu.tools import bench, bench_hf, bench_limits, bench_names, bench_timing, bench_workloads
 
 TINY = "configs/models/t5_1_1/tiny.gin"
 SHAPE = ["--batch_size=2", "--input_length=16", "--target_length=8", "--decode_length=6"]
+# Small limit probes: the tests check what they report, not the machine.
+QUICK = ["--steps=1", "--warmup=0", "--matmul_size=128", "--stream_mb=4", "--limit_probes=3"]
 
 
-def run_bench(capsys, *flags):
-    assert bench.main([f"--gin_file={TINY}", *SHAPE, "--steps=1", "--warmup=0", *flags]) == 0
-    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
-    return [json.loads(line) for line in lines]
+def run_bench(capfd, *flags):
+    """(stdout's lines, parsed). capfd: the file descriptor, so C++ logs there would count."""
+    assert bench.main([f"--gin_file={TINY}", *SHAPE, *QUICK, *flags]) == 0
+    return capfd.readouterr().out.splitlines()
 
 
-def by_workload(results, impl=bench.OURS):
+def by_workload(results, impl=bench_names.OURS):
     return {r["workload"]: r for r in results if r.get("impl", impl) == impl}
 
 
-def test_every_workload_reports_against_hf(capsys, tmp_path):
+def test_every_workload_reports_against_hf(capfd, tmp_path):
     output = tmp_path / "bench.jsonl"
-    results = run_bench(capsys, "--compare_hf", "--pipeline_batches=3", f"--output={output}")
-    assert [json.loads(line) for line in output.read_text().splitlines()] == results
+    flags = ["--json", "--compare_hf", "--pipeline_batches=3", f"--output={output}"]
+    summary = [json.loads(line) for line in run_bench(capfd, *flags)]
+    results = [json.loads(line) for line in output.read_text().splitlines()]
 
-    ours, hf = by_workload(results), by_workload(results, bench.HF)
+    ours, hf = by_workload(results), by_workload(results, bench_names.HF)
     assert ours["machine"]["backend"] == jax.default_backend()
     for workload in ("train", "score"):
         for impl in (ours, hf):
             assert impl[workload]["tokens_per_s"] == pytest.approx(
                 2 * 24 / impl[workload]["seconds_per_step"]
             )
-    assert 0 < ours["train"]["mfu"] < 1
+    for name in ("matmul_peak", "stream_bandwidth", "gemv_bandwidth"):
+        for suffix in ("", "_end"):
+            limit = ours[f"limit_{name}{suffix}"]
+            assert len(limit["probes"]) == 3 and 0 < limit["min"] <= limit["value"] <= limit["max"]
+    assert ours["train"]["mfu"] == ours["train"]["fraction_of_limit"]
     assert ours["train"]["compile_seconds"] > 0
     for workload, beams in (("greedy", 1), ("beam", 4)):
         for impl in (ours, hf):
@@ -45,9 +53,11 @@ def test_every_workload_reports_against_hf(capsys, tmp_path):
             assert impl[workload]["new_tokens_per_s"] == pytest.approx(
                 12 / impl[workload]["seconds_per_batch"]
             )
+        assert ours[workload]["prefill_seconds"] > 0
     assert ours["pipeline"]["task"] == "qp_is_duplicate" and ours["pipeline"]["examples_per_s"] > 0
 
-    ratios = {r["workload"]: r for r in results if r.get("impl") == f"{bench.OURS}/{bench.HF}"}
+    both = f"{bench_names.OURS}/{bench_names.HF}"
+    ratios = {r["workload"]: r for r in results if r.get("impl") == both}
     assert set(ratios) == {"train", "score", "greedy", "beam"}
     assert ratios["greedy"]["ratio"] == pytest.approx(
         ours["greedy"]["new_tokens_per_s"] / hf["greedy"]["new_tokens_per_s"]
@@ -55,6 +65,75 @@ def test_every_workload_reports_against_hf(capsys, tmp_path):
     derived = [r["workload"] for r in results if "time_per_token_ratio" in r]
     assert derived == ["beam/greedy", "beam/greedy"]
     assert by_workload(results)["pipeline/train"]["examples_per_s_ratio"] > 0
+    check_summary(summary, ours)
+
+
+def check_summary(summary, ours):
+    """--json's stdout: one line per workload, t5tpu's figures with HF's beside them."""
+    assert [line["workload"] for line in summary] == list(bench_names.WORKLOADS)
+    for line in summary:
+        assert line["tokens_per_s"] > 0 and line["step_ms"] > 0 and line["limit"]
+    lines = {line["workload"]: line for line in summary}
+    for workload in ("train", "score", "greedy", "beam"):
+        line = lines[workload]
+        assert line["fraction_of_limit"] == ours[workload]["fraction_of_limit"] > 0
+        assert len(ours[workload]["limit_probes"]) == 1  # one after each of its 1 repetitions
+        assert line["hf_ratio"] == pytest.approx(line["tokens_per_s"] / line["hf_tokens_per_s"])
+    assert lines["train"]["step_ms"] == pytest.approx(ours["train"]["seconds_per_step"] * 1e3)
+    assert lines["score"]["limit"].startswith("matmul peak")
+    beam = lines["beam"]
+    assert beam["limit"].startswith("memory floor") and beam["num_beams"] == 4
+    # A decoding step: the decode less its prefill (when the prefill is shorter: not always on
+    # a tiny model, one repetition), over its 6 steps.
+    assert 0 < beam["step_ms"] * 6 <= ours["beam"]["seconds_per_batch"] * 1e3
+    assert beam["fraction_of_limit"] == pytest.approx(beam["memory_floor_ms"] / beam["step_ms"])
+    assert lines["pipeline"]["fraction_of_limit"] is None and "hf_ratio" not in lines["pipeline"]
+
+
+def test_without_json_every_result_and_a_table(capfd, tmp_path):
+    output = tmp_path / "bench.jsonl"
+    lines = run_bench(capfd, "--workloads=score", f"--output={output}")
+    results = [json.loads(line) for line in lines if line.startswith("{")]
+    assert [json.loads(line) for line in output.read_text().splitlines()] == results
+    assert "of limit" in lines[len(results)] and lines[-1].startswith("limit_gemv_bandwidth_end")
+
+
+def test_limit_probes_are_positive_and_robust():
+    kinds = bench_limits.make_probes(jnp.float32, matmul_size=64, memory_bytes=2**20)
+    limits = bench_limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")
+    assert set(limits) == {"matmul_peak", "stream_bandwidth", "gemv_bandwidth"}
+    for limit in limits.values():
+        assert len(limit.probes) == 5 and min(limit.probes) > 0
+        assert min(limit.probes) <= limit.value <= max(limit.probes)
+        assert limit.value == sorted(limit.probes)[-2]  # the median of the best 3 of 5
+    assert bench_limits.robust([1.0, 5.0, 3.0, 9.0, 7.0, 2.0], best_k=4) == 5.0 + 1.0
+    assert bench_limits.robust([4.0], best_k=3) == 4.0
+
+
+def test_decode_floor_bytes_by_hand():
+    """Tiny geometry: emb 128, 4 heads x 32 (inner 128), gated mlp 256, 2 decoder layers, vocab
+    1024, 32 relative-position buckets; batch 2, 4 beams, 16 input and 6 new tokens."""
+    args = bench.parse_args([f"--gin_file={TINY}"])
+    model = bench_workloads.build_model(args)
+    parts = bench_limits.decode_step_bytes(model.config, 2, 16, 6, beams=4)
+    # Self-attention q/k/v/out, cross-attention q/out, wi_0/wi_1/wo, three norm scales.
+    layer = 4 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 256 + 3 * 128
+    assert parts == {
+        "decoder_weights": 4 * (2 * layer + 128 + 32 * 4),  # + final norm + position bias
+        "output_layer": 4 * 128 * 1024,
+        "embedding_rows": 4 * 8 * 128,  # 2 examples x 4 beams
+        "self_attention_cache": 4 * 2 * 2 * 8 * 128 * 3.5,  # k/v, layers, rows, (6 + 1) / 2
+        "cross_attention_cache": 4 * 2 * 2 * 2 * 128 * 16,  # shared by each example's beams
+    }
+
+    def read_each_step(path) -> bool:
+        name = jax.tree_util.keystr(path)
+        cross_kv = "encoder_decoder_attention" in name and ("'key'" in name or "'value'" in name)
+        return not cross_kv and "logits_dense" not in name
+
+    decoder = bench_workloads._random_params(model, args)["decoder"]
+    leaves = jax.tree_util.tree_leaves_with_path(decoder)
+    assert 4 * sum(np.size(x) for p, x in leaves if read_each_step(p)) == parts["decoder_weights"]
 
 
 def test_hf_reference_has_our_geometry():
@@ -88,6 +167,7 @@ def test_forward_flops_match_xla_count():
         (["--workloads=train,fly"], "unknown workload(s) fly"),
         (["--batch_size=0"], "must be positive"),
         (["--num_beams=0"], "--num_beams must be >= 1"),
+        (["--limit_best=0"], "--limit_probes, --limit_best, --stream_mb and --matmul_size must"),
         (["--steps=x"], "argument --steps: invalid int value: 'x'; see t5tpu bench --help"),
     ],
 )

@@ -1,11 +1,11 @@
 """`t5tpu bench`: how fast a gin-configured T5 trains, scores and decodes on this machine.
 
-    t5tpu bench --gin_file=configs/models/t5_1_1/small.gin [--compare_hf] [--gin.NAME=VALUE ...]
+    t5tpu bench --gin_file=configs/models/t5_1_1/small.gin [--compare_hf] [--json] [--gin.N=V]
 
 This module is the command: its flags and its output. The measuring is bench_workloads' (t5tpu),
-bench_hf's (--compare_hf), bench_timing's and bench_report's, imported once the flags have been
-parsed, since they load jax (and torch). docs/PERFORMANCE.md records results and how they were
-taken.
+bench_hf's (--compare_hf), bench_limits' (the machine's limits), bench_timing's and
+bench_report's, imported once the flags have been parsed, since they load jax (and torch).
+docs/PERFORMANCE.md records results and how they were taken.
 """
 
 from __future__ import annotations
@@ -17,28 +17,31 @@ import os
 
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
 from t5tpu.errors import UserError
+from t5tpu.tools.bench_names import WORKLOADS
 from t5tpu.tools.tool_parser import ToolParser
 
 NAME = "bench"
 SUMMARY = "speed of a model's train step, scoring and decoding (optionally against HF PyTorch)"
 EXAMPLE = "t5tpu bench --gin_file=configs/models/t5_1_1/small.gin --compare_hf"
-WORKLOADS = ("train", "score", "greedy", "beam", "pipeline")
-HF = "hf_torch"
-OURS = "t5tpu"
 _DESCRIPTION = """\
 Measure how fast the model of the gin files trains, scores and decodes on whatever backend JAX \
 finds, with random weights and random token ids (no vocabulary needed). One JSON line per \
-result, then a table:
+result, then a table; with --json, only one JSON line per workload.
 
-train: one jit'd train step: compile seconds, median seconds/step after warm-up, tokens/s, \
-examples/s, and model FLOPs utilization against the peak FLOP/s of a large matmul measured in the \
-same run. score: forward pass and per-example log-likelihood, tokens/s. greedy, beam: decoding \
-exactly --decode_length new tokens (EOS never stops it), seconds per batch and new tokens/s. \
-pipeline: examples/s the seqio pipeline of a real task delivers at the same lengths, against \
-what the train step consumes.
+First the machine's limits, each probed --limit_probes times in this run and taken as the median \
+of the best --limit_best: the FLOP/s of a large matmul in the model's dtype, and the memory \
+bandwidth of a streaming sum and of a 1-row GEMV. Every workload reports fraction_of_limit \
+against them. train: one jit'd train step: compile seconds, median seconds/step after warm-up, \
+tokens/s, and achieved FLOP/s over the matmul peak. score: forward pass and per-example \
+log-likelihood, tokens/s, FLOP/s over the peak. greedy, beam: decoding exactly --decode_length \
+new tokens (EOS never stops it), seconds per batch, new tokens/s, and the memory floor of a step \
+(weights and caches read once at the measured bandwidth) over the step's time (the encoder pass, \
+timed alone, left out). pipeline: examples/s the seqio pipeline of a real task delivers at the \
+same lengths, against what the train step consumes.
 
 --compare_hf runs the same workloads through Hugging Face transformers' PyTorch \
-T5ForConditionalGeneration of the same geometry in the same process and prints t5tpu/HF ratios."""
+T5ForConditionalGeneration of the same geometry in the same process, alternating t5tpu and HF \
+repetitions so load hits both alike, and reports t5tpu/HF ratios of the medians."""
 
 
 def parser() -> ToolParser:
@@ -70,6 +73,16 @@ def parser() -> ToolParser:
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     p.add_argument("--compare_hf", action="store_true", help="also run HF PyTorch T5")
     p.add_argument("--matmul_size", type=int, default=None, help="peak probe (CPU 2048, else 8192)")
+    p.add_argument(
+        "--stream_mb", type=int, default=None, help="bandwidth probes' MiB (CPU 256, else 2048)"
+    )
+    p.add_argument("--limit_probes", type=int, default=11, help="probes of each machine limit")
+    p.add_argument("--limit_best", type=int, default=3, help="limit = median of the best N probes")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print only one JSON line per workload (the details still go to --output)",
+    )
     p.add_argument("--pipeline_task", default="qp_is_duplicate", help="task of the pipeline")
     p.add_argument("--pipeline_batches", type=int, default=100, help="batches the pipeline times")
     p.add_argument(
@@ -94,6 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError("batch size and lengths must be positive")
     if args.steps < 1 or args.warmup < 0 or args.num_beams < 1:
         raise UserError("--steps and --num_beams must be >= 1 and --warmup >= 0")
+    if min(args.limit_probes, args.limit_best, args.stream_mb or 1, args.matmul_size or 1) < 1:
+        raise UserError("--limit_probes, --limit_best, --stream_mb and --matmul_size must be >= 1")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if args.compare_hf and missing:
         raise UserError(
@@ -110,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     def emit(result: dict) -> None:
         line = json.dumps(result, sort_keys=True)
-        print(line, flush=True)
+        if not args.json:  # --json keeps stdout to the summary lines
+            print(line, flush=True)
         if output:
             output.write(line + "\n")
             output.flush()
@@ -122,7 +138,11 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if output:
             output.close()
-    print(bench_report.table(results), flush=True)
+    if args.json:
+        for line in bench_report.summary(results):
+            print(json.dumps(line, sort_keys=True), flush=True)
+    else:
+        print(bench_report.table(results), flush=True)
     return 0
 
 

@@ -1,5 +1,6 @@
-"""What `t5tpu bench` reports: the fields of each result, the machine it ran on, t5tpu/HF and
-derived ratios, and the closing table."""
+"""What `t5tpu bench` reports: the fields of each result, how far each is from the machine's
+limit, the machine it ran on, t5tpu/HF and derived ratios, the one-line-per-workload summary of
+--json, and the closing table."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import platform
 
 import jax
 
-from t5tpu.tools.bench import HF, OURS, WORKLOADS
+from t5tpu.tools.bench_names import HF, OURS, WORKLOADS
 
 
 def throughput(seconds: float, batch: int, tokens_per_example: int) -> dict:
@@ -28,6 +29,39 @@ def decode_result(seconds: float, batch: int, args, num_beams: int) -> dict:
         "seconds_per_batch": seconds,
         "new_tokens_per_s": new_tokens / seconds,
         "seconds_per_token": seconds / new_tokens,
+    }
+
+
+def peak_fraction(flops: float, seconds: float, peak) -> dict:
+    """Train and scoring against the matmul peak (a bench_limits.Limit): achieved FLOP/s / peak."""
+    achieved = flops / seconds
+    return {
+        "achieved_flops_per_s": achieved,
+        "fraction_of_limit": achieved / peak.value,
+        "limit": f"matmul peak {peak.value / 1e9:.1f} GFLOP/s ({peak.described})",
+        "limit_probes": list(peak.probes),
+    }
+
+
+def memory_floor(step_seconds: float, floor_bytes: dict, bandwidth, step_flops, peak) -> dict:
+    """A decoding step against its memory floor: the time to read `floor_bytes` (by part, see
+    bench_limits.decode_step_bytes) once at the measured bandwidth, over the step's time. The
+    compute floor (the step's matmul FLOPs at the matmul peak) is reported beside it: when it is
+    the higher, the memory floor cannot be reached."""
+    total = sum(floor_bytes.values())
+    floor = total / bandwidth.value
+    return {
+        "step_ms": step_seconds * 1e3,
+        "memory_floor_ms": floor * 1e3,
+        "compute_floor_ms": step_flops / peak.value * 1e3,
+        "floor_bytes_per_step": total,
+        "floor_bytes": floor_bytes,
+        "fraction_of_limit": floor / step_seconds,
+        "limit": (
+            f"memory floor {floor * 1e3:.3g} ms/step: {total / 1e6:.3g} MB per step at "
+            f"{bandwidth.value / 1e9:.1f} GB/s ({bandwidth.name}: {bandwidth.described})"
+        ),
+        "limit_probes": list(bandwidth.probes),
     }
 
 
@@ -84,8 +118,53 @@ def derived(results: list[dict]) -> list[dict]:
     return out
 
 
+SUMMARY_EXTRAS = ("batch_size", "num_beams", "memory_floor_ms", "compute_floor_ms")
+PIPELINE_LIMIT = "none: the host input pipeline has no machine limit here; see pipeline/train"
+
+
+def summary(results: list[dict]) -> list[dict]:
+    """--json's lines: one per workload measured, t5tpu's figures with HF's beside them when
+    compared. tokens_per_s counts new tokens for decoding (the encoder pass included in the
+    time); step_ms is a train or scoring step, one decoding step (the encoder pass left out), or
+    one pipeline batch."""
+    by_key = {(r["workload"], r.get("impl")): r for r in results}
+    lines = []
+    for workload in WORKLOADS:
+        ours = by_key.get((workload, OURS))
+        if ours is None:
+            continue
+        line = {
+            "workload": workload,
+            "tokens_per_s": _tokens_per_s(ours),
+            "step_ms": ours["step_ms"] if "step_ms" in ours else ours["seconds_per_step"] * 1e3,
+            "fraction_of_limit": ours.get("fraction_of_limit"),
+            "limit": ours.get("limit", PIPELINE_LIMIT),
+        }
+        line |= {k: ours[k] for k in SUMMARY_EXTRAS if k in ours}
+        theirs = by_key.get((workload, HF))
+        if theirs is not None:
+            line["hf_tokens_per_s"] = _tokens_per_s(theirs)
+            line["hf_ratio"] = line["tokens_per_s"] / line["hf_tokens_per_s"]
+        lines.append(line)
+    return lines
+
+
+def _tokens_per_s(result: dict) -> float:
+    return result["new_tokens_per_s"] if "new_tokens_per_s" in result else result["tokens_per_s"]
+
+
+def _note(r: dict) -> str:
+    if "probes" in r:
+        return f"probes {r['min'] / 1e9:.1f}-{r['max'] / 1e9:.1f}"
+    if "memory_floor_ms" in r:
+        floors = f"floor {r['memory_floor_ms']:.3g} (compute {r['compute_floor_ms']:.3g})"
+        return f"step {r['step_ms']:.3g} ms, {floors}"
+    ratios = ("ratio", "time_per_token_ratio", "examples_per_s_ratio")
+    return next((f"{k} {r[k]:.3g}" for k in ratios if k in r), "")
+
+
 def table(results: list[dict]) -> str:
-    rows = [("workload", "impl", "seconds", "throughput", "compile s", "note")]
+    rows = [("workload", "impl", "seconds", "throughput", "compile s", "of limit", "note")]
     for r in results:
         if "seconds_per_step" in r:
             seconds, rate = r["seconds_per_step"], f"{r['tokens_per_s']:.0f} tok/s"
@@ -93,17 +172,13 @@ def table(results: list[dict]) -> str:
             seconds, rate = r["seconds_per_batch"], f"{r['new_tokens_per_s']:.1f} new tok/s"
         elif "examples_per_s" in r:
             seconds, rate = None, f"{r['examples_per_s']:.0f} ex/s"
+        elif "probes" in r:  # a machine limit: its robust figure and the probes' range
+            seconds, rate = None, f"{r['value'] / 1e9:.1f} G{r['unit']}"
         else:
             seconds, rate = None, ""
-        note = next(
-            (
-                f"{k} {r[k]:.3g}"
-                for k in ("mfu", "ratio", "time_per_token_ratio", "examples_per_s_ratio")
-                if k in r
-            ),
-            "",
-        )
+        note = _note(r)
         compile_s = f"{r['compile_seconds']:.1f}" if "compile_seconds" in r else ""
+        fraction = f"{r['fraction_of_limit']:.2f}" if "fraction_of_limit" in r else ""
         rows.append(
             (
                 r["workload"],
@@ -111,6 +186,7 @@ def table(results: list[dict]) -> str:
                 "" if seconds is None else f"{seconds:.4f}",
                 rate,
                 compile_s,
+                fraction,
                 note,
             )
         )

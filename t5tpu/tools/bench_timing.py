@@ -1,5 +1,5 @@
-"""Timing for `t5tpu bench`: repetitions of prepared workloads, compile time, and the peak
-FLOP/s of a large matmul that model FLOPs utilization is measured against."""
+"""Timing for `t5tpu bench`: repetitions of prepared workloads, interleaved, and compile time.
+The machine's limits the workloads are measured against are bench_limits'."""
 
 from __future__ import annotations
 
@@ -9,16 +9,24 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
+
+from t5tpu.tools.bench_limits import Probe, limit_of
+
+INTERLEAVED = "probes, one after each repetition of the workload"
 
 
 @dataclasses.dataclass
 class Workload:
     """One prepared (compiled, warmed) workload: `run` does one repetition and returns what to
-    wait for; `report` turns the median seconds of a repetition into result fields."""
+    wait for; `report(seconds, **part_seconds[, limits=...])` turns the median seconds of a
+    repetition, and those of each of its `parts` (pieces of it timed on their own, such as
+    decoding's encoder pass), into result fields. `probes` (bench_limits.Probe) run between its
+    repetitions; their robust figures, by name, come to `report` as `limits`."""
 
     run: Callable[[], object]
-    report: Callable[[float], dict]
+    report: Callable[..., dict]
+    parts: dict[str, Callable[[], object]] = dataclasses.field(default_factory=dict)
+    probes: tuple[Probe, ...] = ()
 
 
 def _timed(fn: Callable[[], object]) -> float:
@@ -27,9 +35,9 @@ def _timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def median_seconds(fns: list[Callable[[], object]], warmup: int, steps: int) -> list[float]:
-    """Median seconds per call of each function. Calls alternate between the functions, so a
-    change in machine load (other users of a shared CPU) hits every one alike."""
+def interleaved_seconds(fns: list[Callable[[], object]], warmup: int, steps: int) -> list[list]:
+    """Seconds of each of `steps` calls of each function. Calls alternate between the functions,
+    so a change in machine load (other users of a shared CPU) hits every one alike."""
     for fn in fns:
         for _ in range(warmup):
             _timed(fn)
@@ -37,12 +45,27 @@ def median_seconds(fns: list[Callable[[], object]], warmup: int, steps: int) -> 
     for _ in range(steps):
         for fn, seconds in zip(fns, times, strict=True):
             seconds.append(_timed(fn))
-    return [statistics.median(seconds) for seconds in times]
+    return times
 
 
-def measure(workloads: list[Workload], warmup: int, steps: int) -> list[dict]:
-    seconds = median_seconds([w.run for w in workloads], warmup, steps)
-    return [w.report(s) for w, s in zip(workloads, seconds, strict=True)]
+def measure(workloads: list[Workload], warmup: int, steps: int, best_k: int = 3) -> list[dict]:
+    """Each workload's report. Every repetition of every workload, part and probe is interleaved
+    with the others' (t5tpu, its parts, its probes, HF, t5tpu, ...), so load from other processes
+    hits all alike: ratios of their medians, and fractions of the limits probed between them,
+    are steadier than any one median."""
+    fns = [fn for w in workloads for fn in (w.run, *w.parts.values(), *(p.fn for p in w.probes))]
+    times = iter(interleaved_seconds(fns, warmup, steps))
+    reports = []
+    for w in workloads:
+        median = statistics.median(next(times))
+        kwargs = {name: statistics.median(next(times)) for name in w.parts}
+        if w.probes:
+            kwargs["limits"] = {
+                p.name: limit_of(p, [p.work / s for s in next(times)], best_k, INTERLEAVED)
+                for p in w.probes
+            }
+        reports.append(w.report(median, **kwargs))
+    return reports
 
 
 def compile_seconds(jitted, *example_args):
@@ -53,12 +76,3 @@ def compile_seconds(jitted, *example_args):
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else (cost or {})
     return compiled, seconds, {k: float(cost[k]) for k in ("flops", "bytes accessed") if k in cost}
-
-
-def peak_matmul_flops(dtype, size: int, steps: int = 5) -> float:
-    """FLOP/s of a size x size x size matmul in `dtype` on the default device."""
-    keys = jax.random.split(jax.random.PRNGKey(0))
-    a, b = (jax.random.normal(k, (size, size), dtype) for k in keys)
-    matmul = jax.jit(jnp.matmul)
-    (seconds,) = median_seconds([lambda: matmul(a, b)], warmup=2, steps=steps)
-    return 2.0 * size**3 / seconds

@@ -14,9 +14,18 @@ import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.tools import bench_hf
-from t5tpu.tools.bench import HF, OURS
-from t5tpu.tools.bench_report import decode_result, derived, ratios, throughput, xla_cost
-from t5tpu.tools.bench_timing import Workload, compile_seconds, measure, peak_matmul_flops
+from t5tpu.tools.bench_limits import bandwidth, decode_step_bytes, make_probes, probe_all
+from t5tpu.tools.bench_names import HF, OURS
+from t5tpu.tools.bench_report import (
+    decode_result,
+    derived,
+    memory_floor,
+    peak_fraction,
+    ratios,
+    throughput,
+    xla_cost,
+)
+from t5tpu.tools.bench_timing import Workload, compile_seconds, measure
 
 
 def build_model(args):
@@ -86,23 +95,28 @@ def forward_flops(config, batch: int, input_length: int, target_length: int) -> 
     return 2.0 * macs
 
 
+def decode_step_flops(config, rows: int, input_length: int, new_tokens: int) -> float:
+    """Matmul FLOPs of one decoding step of `rows` hypotheses: one decoder token each, attending
+    to the encoder output and to the positions decoded so far, at their average number over the
+    decode, (new_tokens + 1) / 2."""
+    d, ff, inner = config.emb_dim, config.mlp_dim, config.num_heads * config.head_dim
+    mlp = len(config.mlp_activations) * d * ff + ff * d
+    attention = 2 * input_length * inner + 2 * inner * (new_tokens + 1) / 2
+    per_token = config.num_decoder_layers * (6 * d * inner + mlp + attention)
+    return 2.0 * rows * (per_token + d * config.vocab_size)
+
+
 def decode_flops(
     config, batch: int, input_length: int, new_tokens: int, num_beams: int = 1
 ) -> float:
     """The encoder and cross-attention keys/values once per example, then one decoder token per
-    step and hypothesis, attending to the positions decoded so far and to the encoder output."""
-    d, ff, inner = config.emb_dim, config.mlp_dim, config.num_heads * config.head_dim
-    mlp = len(config.mlp_activations) * d * ff + ff * d
-    per_token = (
-        config.num_decoder_layers * (6 * d * inner + mlp + 2 * input_length * inner)
-        + d * config.vocab_size
-    )
-    self_attention = config.num_decoder_layers * 2 * inner * sum(range(1, new_tokens + 1))
+    step and hypothesis."""
     once = forward_flops(config, batch, input_length, 0)  # encoder + cross-attention K/V
-    return once + 2.0 * batch * num_beams * (new_tokens * per_token + self_attention)
+    step = decode_step_flops(config, batch * num_beams, input_length, new_tokens)
+    return once + new_tokens * step
 
 
-def bench_train(model, args, batch, peak: float) -> Workload:
+def bench_train(model, args, batch, probes: dict) -> Workload:
     from t5tpu.data import batches
     from t5tpu.partitioning import Partitioner
     from t5tpu.training import optim, trainer
@@ -125,62 +139,96 @@ def bench_train(model, args, batch, peak: float) -> Workload:
         state, metrics = compiled(state, batch, seed)  # the old state is donated
         return state, metrics
 
-    def report(seconds: float) -> dict:
+    def report(seconds: float, limits: dict) -> dict:
+        against_peak = peak_fraction(flops, seconds, limits["matmul_peak"])
         return {
             **throughput(seconds, args.batch_size, sum(lengths)),
             "compile_seconds": compile_s,
             "flops_per_step": flops,
-            "mfu": flops / seconds / peak,
+            **against_peak,
+            "mfu": against_peak["fraction_of_limit"],  # the name earlier results used
             "optimizer": args.optimizer,
             **xla_cost(cost),
         }
 
-    return Workload(run, report)
+    return Workload(run, report, probes=(probes["matmul_peak"],))
 
 
-def bench_score(model, args, batch) -> Workload:
+def bench_score(model, args, batch, probes: dict) -> Workload:
     params = _random_params(model, args)
     features = {k: jnp.asarray(v) for k, v in batch.items()}
     compiled, compile_s, cost = compile_seconds(jax.jit(model.score), params, features)
     lengths = (args.input_length, args.target_length)
     flops = forward_flops(model.config, args.batch_size, *lengths)
 
-    def report(seconds: float) -> dict:
+    def report(seconds: float, limits: dict) -> dict:
         return {
             **throughput(seconds, args.batch_size, sum(lengths)),
             "compile_seconds": compile_s,
             "flops_per_step": flops,
+            **peak_fraction(flops, seconds, limits["matmul_peak"]),
             **xla_cost(cost),
         }
 
-    return Workload(lambda: compiled(params, features), report)
+    return Workload(lambda: compiled(params, features), report, probes=(probes["matmul_peak"],))
 
 
-def bench_decode(model, args, inputs: np.ndarray, num_beams: int) -> Workload:
+def _decode_fns(model, length: int, num_beams: int, alpha: float):
+    """(the whole decode, its prefill): the prefill is what the decode does before its loop
+    (the encoder, the cross-attention keys/values, the caches, their copies per beam), timed
+    alone so the loop's steps can be told from it. It reaches into t5tpu.model.decoding's
+    private helpers so that it is exactly the decode's own prefill."""
     from t5tpu.model import decoding
 
-    params = _random_params(model, args)
-    length = args.decode_length
-    if num_beams == 1:
-        fn = lambda p, x: decoding.decode(model.module, p, x, length, eos_id=-1)
-    else:
-        fn = lambda p, x: decoding.beam_search(
-            model.module, p, x, length, -1, num_beams, args.beam_alpha
-        )[0]
-    tokens = jnp.asarray(inputs)
-    compiled, compile_s, _ = compile_seconds(jax.jit(fn), params, tokens)
-    out = compiled(params, tokens)
-    if out.shape != (len(inputs), length) or not bool(jnp.all(out[:, -1] > 0)):
-        raise RuntimeError(f"decoding did not produce {length} tokens per row")
-    flops = decode_flops(model.config, len(inputs), args.input_length, length, num_beams)
+    def prefill(params, tokens):
+        encoded, cache = decoding._encode_and_make_cache(model.module, params, tokens, length)
+        if num_beams > 1:
+            only = decoding._is_self_attention_cache
+            cache = decoding._expand_to_beams(cache, num_beams, only=only)
+        return encoded, cache
 
-    def report(seconds: float) -> dict:
-        return decode_result(seconds, len(inputs), args, num_beams) | {
+    if num_beams == 1:
+        return lambda p, x: decoding.decode(model.module, p, x, length, eos_id=-1), prefill
+    whole = lambda p, x: decoding.beam_search(model.module, p, x, length, -1, num_beams, alpha)[0]
+    return whole, prefill
+
+
+def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) -> Workload:
+    params = _random_params(model, args)
+    length, batch = args.decode_length, len(inputs)
+    whole, prefill = _decode_fns(model, length, num_beams, args.beam_alpha)
+    tokens = jnp.asarray(inputs)
+    compiled, compile_s, _ = compile_seconds(jax.jit(whole), params, tokens)
+    compiled_prefill, _, _ = compile_seconds(jax.jit(prefill), params, tokens)
+    jax.block_until_ready(compiled_prefill(params, tokens))  # its first call's costs, not timed
+    out = compiled(params, tokens)
+    if out.shape != (batch, length) or not bool(jnp.all(out[:, -1] > 0)):
+        raise RuntimeError(f"decoding did not produce {length} tokens per row")
+    config = model.config
+    flops = decode_flops(config, batch, args.input_length, length, num_beams)
+    step_flops = decode_step_flops(config, batch * num_beams, args.input_length, length)
+    floor_bytes = decode_step_bytes(config, batch, args.input_length, length, num_beams)
+
+    def report(seconds: float, prefill: float, limits: dict) -> dict:
+        # The loop's steps are the whole decode less its prefill (medians of interleaved
+        # repetitions); a tiny model's prefill can exceed that noise, hence the fallback.
+        loop = seconds - prefill if seconds > prefill else seconds
+        return decode_result(seconds, batch, args, num_beams) | {
             "compile_seconds": compile_s,
             "flops_per_batch": flops,
+            "prefill_seconds": prefill,
+            **memory_floor(
+                loop / length, floor_bytes, bandwidth(limits), step_flops, limits["matmul_peak"]
+            ),
         }
 
-    return Workload(lambda: compiled(params, tokens), report)
+    run_prefill = lambda: compiled_prefill(params, tokens)
+    return Workload(
+        lambda: compiled(params, tokens),
+        report,
+        parts={"prefill": run_prefill},
+        probes=tuple(probes.values()),  # both bandwidths, and the peak for the compute floor
+    )
 
 
 def bench_pipeline(args) -> dict:
@@ -199,10 +247,14 @@ def bench_pipeline(args) -> dict:
     for _ in range(args.pipeline_batches):
         next(stream)
     seconds = time.perf_counter() - start
+    examples_per_s = args.pipeline_batches * args.batch_size / seconds
     return {
         "task": args.pipeline_task,
         "vocabulary": args.pipeline_vocabulary,
-        "examples_per_s": args.pipeline_batches * args.batch_size / seconds,
+        "examples_per_s": examples_per_s,
+        # Token positions of the padded batches, as the train step's tokens_per_s counts them.
+        "tokens_per_s": examples_per_s * (args.input_length + args.target_length),
+        "step_ms": seconds / args.pipeline_batches * 1e3,
     }
 
 
@@ -214,22 +266,30 @@ def _random_params(model, args):
     )
 
 
+MODEL_WORKLOADS = ("train", "score", "greedy", "beam")  # those measured against a limit
+
+
+def make_limit_probes(args, config) -> dict:
+    """The probes of the machine's limits (bench_limits). The matmul is in the benchmark's
+    activation dtype; the memory probes read float32, as decoding reads the weights. Sizes:
+    matmul 2048 on CPU (3072 and 4096 ran at ~350 GFLOP/s there, 2048 at ~440), 8192 on
+    accelerators; memory probes of 256 MiB on CPU (8x this machine's 32 MB L3), 2 GiB on
+    accelerators (they stay allocated through the run: --stream_mb makes them smaller)."""
+    cpu = jax.default_backend() == "cpu"
+    size = args.matmul_size or (2048 if cpu else 8192)
+    stream_mb = args.stream_mb or (256 if cpu else 2048)
+    return make_probes(config.activation_dtype, size, stream_mb * 2**20)
+
+
 def run_workloads(args, emit: Callable[[dict], None]) -> list[dict]:
     """Measures every workload of `args` (each beside HF's with --compare_hf, alternating, so
-    load changes hit both alike), then the ratios; every result goes to `emit` as it comes."""
+    load changes hit both alike), between probes of the machine's limits, then the ratios; every
+    result goes to `emit` as it comes."""
     results = []
 
-    def record(workload: str, impl: str, fields: dict) -> None:
-        result = {"workload": workload, "impl": impl, **fields}
+    def record(result: dict) -> None:
         results.append(result)
         emit(result)
-
-    def compare(workload: str, ours: Callable[[], Workload], theirs: Callable[[], Workload]):
-        prepared = [ours()] + ([theirs()] if hf is not None else [])
-        for impl, fields in zip(
-            (OURS, HF), measure(prepared, args.warmup, args.steps), strict=False
-        ):
-            record(workload, impl, fields)
 
     model = build_model(args)
     rng = np.random.default_rng(args.seed)
@@ -237,32 +297,44 @@ def run_workloads(args, emit: Callable[[dict], None]) -> list[dict]:
     batch = random_batch(rng, args.batch_size, args.input_length, args.target_length, vocab)
     decode_inputs = rng.integers(2, vocab, (args.decode_batch_size, args.input_length), np.int32)
     hf = bench_hf.hf_model(model.config, model.config.dtype) if args.compare_hf else None
+    measured = set(args.workloads) & set(MODEL_WORKLOADS)
+    probes = make_limit_probes(args, model.config) if measured else {}
 
-    if "train" in args.workloads:
-        size = args.matmul_size or (2048 if jax.default_backend() == "cpu" else 8192)
-        peak = peak_matmul_flops(model.config.activation_dtype, size)
-        record("peak_matmul", OURS, {"size": size, "flops_per_s": peak})
-        compare(
-            "train",
-            lambda: bench_train(model, args, batch, peak),
+    def probe_machine(when: str, suffix: str) -> None:
+        for limit in probe_all(probes, args.limit_probes, args.limit_best, when).values():
+            record(limit.record(suffix))
+
+    # (t5tpu's workload, HF's), each prepared only when its turn comes.
+    pairs = {
+        "train": (
+            lambda: bench_train(model, args, batch, probes),
             lambda: bench_hf.hf_train(hf, args, batch),
-        )
-    if "score" in args.workloads:
-        compare(
-            "score",
-            lambda: bench_score(model, args, batch),
+        ),
+        "score": (
+            lambda: bench_score(model, args, batch, probes),
             lambda: bench_hf.hf_score(hf, args, batch),
-        )
-    for workload, beams in (("greedy", 1), ("beam", args.num_beams)):
-        if workload in args.workloads:
-            compare(
-                workload,
-                lambda beams=beams: bench_decode(model, args, decode_inputs, beams),
-                lambda beams=beams: bench_hf.hf_decode(hf, args, decode_inputs, beams),
-            )
+        ),
+        "greedy": (
+            lambda: bench_decode(model, args, decode_inputs, 1, probes),
+            lambda: bench_hf.hf_decode(hf, args, decode_inputs, 1),
+        ),
+        "beam": (
+            lambda: bench_decode(model, args, decode_inputs, args.num_beams, probes),
+            lambda: bench_hf.hf_decode(hf, args, decode_inputs, args.num_beams),
+        ),
+    }
+    if probes:
+        probe_machine("probes before the workloads", "")
+    for workload in (w for w in MODEL_WORKLOADS if w in measured):
+        ours, theirs = pairs[workload]
+        prepared = [ours()] + ([theirs()] if hf is not None else [])
+        reports = measure(prepared, args.warmup, args.steps, args.limit_best)
+        for impl, fields in zip((OURS, HF), reports, strict=False):
+            record({"workload": workload, "impl": impl, **fields})
     if "pipeline" in args.workloads:
-        record("pipeline", OURS, bench_pipeline(args))
+        record({"workload": "pipeline", "impl": OURS, **bench_pipeline(args)})
+    if probes:  # before and after: how far the machine's state moved during the run
+        probe_machine("probes after the workloads", "_end")
     for extra in ratios(results) + derived(results):
-        results.append(extra)
-        emit(extra)
+        record(extra)
     return results

@@ -1,0 +1,7 @@
+"""The names `t5tpu bench` gives its workloads and the implementations it measures, in a module
+of their own: the command (light, imported before parsing) and the measuring modules (which
+load jax) both use them, and the measuring modules must not import the command."""
+
+WORKLOADS = ("train", "score", "greedy", "beam", "pipeline")
+HF = "hf_torch"
+OURS = "t5tpu"
