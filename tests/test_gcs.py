@@ -265,7 +265,17 @@ def assert_one_line_error(run: subprocess.CompletedProcess, path: str) -> None:
 
 
 MISSING_BUCKET = "gs://no-such-bucket-t5tpu/run"
+
+
 # (command, its flags): each names MISSING_BUCKET in one of its paths.
+def _local_outputs(argv: list[str], tmp_path) -> list[str]:
+    """Flags giving a command that is not about MODEL_DIR a local one (a gs:// one is what the
+    others test), or convert a local output directory."""
+    if argv[0] == "convert":
+        return [f"--output_dir={tmp_path / 'out'}"]
+    return [] if any("MODEL_DIR" in arg for arg in argv) else [f"--gin.MODEL_DIR='{tmp_path}'"]
+
+
 ON_A_MISSING_BUCKET = {
     "train_model_dir": ["train", *TRAIN, f"--gin.MODEL_DIR='{MISSING_BUCKET}'"],
     "train_initial_checkpoint": [
@@ -285,10 +295,7 @@ ON_A_MISSING_BUCKET = {
 
 @pytest.mark.parametrize("argv", list(ON_A_MISSING_BUCKET.values()), ids=list(ON_A_MISSING_BUCKET))
 def test_a_missing_bucket_is_one_line_and_never_created(argv, endpoint, env, tmp_path):
-    # Runs that are not about MODEL_DIR get a local one (a gs:// one is what the others test).
-    local = [] if any("MODEL_DIR" in arg for arg in argv) else [f"--gin.MODEL_DIR='{tmp_path}'"]
-    if argv[0] == "convert":
-        local = [f"--output_dir={tmp_path / 'out'}"]
+    local = _local_outputs(argv, tmp_path)
     run = subprocess.run(
         cli_command(*argv, *local),
         cwd=ROOT,
@@ -315,9 +322,7 @@ UNREACHABLE = {
 @pytest.mark.parametrize("argv", list(UNREACHABLE.values()), ids=list(UNREACHABLE))
 def test_an_unreachable_endpoint_is_one_line_within_a_bounded_time(argv, tmp_path):
     closed = client_env(f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    local = [] if any("MODEL_DIR" in arg for arg in argv) else [f"--gin.MODEL_DIR='{tmp_path}'"]
-    if argv[0] == "convert":
-        local = [f"--output_dir={tmp_path / 'out'}"]
+    local = _local_outputs(argv, tmp_path)
     start = time.time()
     run = subprocess.run(
         cli_command(*argv, *local),

@@ -112,6 +112,8 @@ class StepSetup:
 
 def _create_dir(model_dir: str) -> bool:
     """Creates MODEL_DIR if missing (the lock file goes there); True if it was created."""
+    # First: on gs:// a missing bucket would be created, and a dead endpoint retried for minutes.
+    availability.check_storage(model_dir, "MODEL_DIR")
     path = epath.Path(model_dir)
     if path.is_dir():
         return False
@@ -174,6 +176,7 @@ def _start_point(
 ) -> StartPoint:
     # Steps count on from a pretrained checkpoint's step; the input stream starts at its first
     # batch there, and a resume skips only the batches used since.
+    availability.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
     resume = checkpoints.resume_point(model_dir)
     input_start_step = _input_start_step(resume, initial_checkpoint_path)
     last_step = train_steps + (input_start_step if relative_steps else 0)
@@ -359,8 +362,6 @@ def train(
     partitioner.check_batch_size("BATCH_SIZE", batch_size, num_microbatches)
     partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size or batch_size)
     checkpoints.check_save_dtype(checkpoint_dtype)
-    availability.check_storage(model_dir, "MODEL_DIR")
-    availability.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
     periods = Periods(log=log_period, save=save_period, eval=eval_period)
     data = InputSettings(
         mixture_or_task_name, task_feature_lengths, batch_size, random_seed, use_packing
