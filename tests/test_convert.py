@@ -22,6 +22,7 @@ from test_t5x_format import expected_values, write_t5x_checkpoint
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import convert, hf_format, param_mapping
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
 from t5tpu.tools import convert as convert_command
@@ -36,6 +37,7 @@ CONFIG = T5Config(
     num_encoder_layers=2,
     num_decoder_layers=2,
 )
+_BUNDLED = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
 
 
 def _params(config: T5Config, seed: int = 0):
@@ -50,7 +52,7 @@ def hf_dir(tmp_path_factory):
     transformers) with spiece.model and tokenizer_config.json."""
     directory = str(tmp_path_factory.mktemp("hf"))
     params = _params(CONFIG)
-    hf_format.export(params, CONFIG, directory, vocab.bundled_vocabulary_file(), extra_ids=0)
+    hf_format.export(params, CONFIG, directory, _BUNDLED)
     return directory, params
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pathlib
 import shutil
 
 import jax
@@ -21,6 +22,7 @@ import transformers
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import hf_format, param_mapping
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
 
@@ -28,9 +30,19 @@ VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS = 128, 64, 2, 32, 128, 2
 EOS = 1
 VARIANTS = {
     "1.0": {"feed_forward_proj": "relu", "tie_word_embeddings": True},
-    # T5 1.1, and with it Flan-T5, T5 1.1 LM-adapted and mT5 (their config.json differ from it
-    # only in sizes and vocabulary).
+    # T5 1.1; T5 1.1 LM-adapted's config.json has exactly these fields (sizes aside).
     "1.1": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+    # Flan-T5's config.json as published: 1.1's plus the derived activation fields.
+    "flan-t5": {
+        "feed_forward_proj": "gated-gelu",
+        "tie_word_embeddings": False,
+        "dense_act_fn": "gelu_new",
+        "is_gated_act": True,
+        "n_positions": 512,
+        "relative_attention_max_distance": 128,
+    },
+    # mT5: model_type 'mt5' (transformers' MT5 classes), 1.1's architecture.
+    "mt5": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
     # ByT5's shape: as 1.1, with an encoder deeper than its decoder (3:1 in every ByT5 size).
     "byt5": {
         "feed_forward_proj": "gated-gelu",
@@ -38,11 +50,16 @@ VARIANTS = {
         "num_decoder_layers": 1,
     },
 }
-SEEDS = {"1.0": 10, "1.1": 11, "byt5": 12}
+SEEDS = {"1.0": 10, "1.1": 11, "byt5": 12, "flan-t5": 13, "mt5": 14}
 
 
 def _hf_model(variant: str) -> transformers.T5ForConditionalGeneration:
-    config = transformers.T5Config(
+    mt5 = variant == "mt5"
+    config_class = transformers.MT5Config if mt5 else transformers.T5Config
+    model_class = (
+        transformers.MT5ForConditionalGeneration if mt5 else transformers.T5ForConditionalGeneration
+    )
+    config = config_class(
         vocab_size=VOCAB,
         d_model=D_MODEL,
         d_kv=D_KV,
@@ -53,7 +70,7 @@ def _hf_model(variant: str) -> transformers.T5ForConditionalGeneration:
         **{"num_decoder_layers": LAYERS, **VARIANTS[variant]},
     )
     torch.manual_seed(SEEDS[variant])
-    model = transformers.T5ForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     # At Hugging Face's initial scale the residual stream is mostly the input embedding, so a
     # tied model's greedy decode copies its start token 0 forever; louder attention and
     # feed-forward outputs make the rows decode differently.
@@ -129,6 +146,12 @@ def test_config_is_derived_from_config_json(saved):
     config_11 = saved["1.1"][2]
     assert config_11.mlp_activations == ("gelu", "linear")
     assert config_11.logits_via_embedding is False
+    # Flan-T5 and mT5 config.json files read as the same geometry as 1.1's.
+    for variant in ("flan-t5", "mt5"):
+        _, directory, config, _ = saved[variant]
+        assert config == config_11, variant
+    published = json.loads(pathlib.Path(saved["mt5"][1], "config.json").read_text())
+    assert published["model_type"] == "mt5"
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -229,12 +252,42 @@ def test_t5_1_0_checkpoint_is_refused_by_a_t5_1_1_model(saved):
 
 def test_spiece_model_is_picked_up_as_the_vocabulary(saved, tmp_path):
     _, directory, _, _ = saved["1.0"]
-    assert hf_format.vocabulary(directory) == (None, 0)
+    assert hf_format.vocabulary(directory) == VocabularySource()
     shutil.copy(f"{directory}/config.json", tmp_path)
     shutil.copy(vocab.bundled_vocabulary_file(), tmp_path / "spiece.model")
-    assert hf_format.vocabulary(str(tmp_path)) == (f"{tmp_path}/spiece.model", 100)
+    spiece = f"{tmp_path}/spiece.model"
+    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("sentencepiece", spiece, 100)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_ids": 0}))
-    assert hf_format.vocabulary(str(tmp_path)) == (f"{tmp_path}/spiece.model", 0)
+    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("sentencepiece", spiece, 0)
+    (tmp_path / "tokenizer_config.json").write_text('{"extra_ids": ')
+    with pytest.raises(UserError, match="tokenizer_config.json is not valid JSON"):
+        hf_format.vocabulary(str(tmp_path))
+
+
+def test_byt5_export_writes_a_byte_tokenizer_with_seqio_ids(saved, tmp_path):
+    _, directory, config, params = saved["byt5"]
+    hf_format.export(params, config, str(tmp_path), VocabularySource("bytes", None, 3))
+    assert not (tmp_path / "spiece.model").exists()  # bytes need no model file
+    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("bytes", None, 3)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
+    assert type(tokenizer).__name__ == "ByT5Tokenizer"
+    byte_vocabulary = vocab.default_vocabulary(kind="bytes", extra_ids=3)
+    for text in ("plain ascii", "naïve café, 東京?"):
+        assert tokenizer(text).input_ids == [*byte_vocabulary.encode(text), 1]
+    # seqio's sentinels count down from the top: <extra_id_0> is the highest id.
+    sentinels = [tokenizer.convert_tokens_to_ids(f"<extra_id_{i}>") for i in range(3)]
+    assert sentinels == [byte_vocabulary.vocab_size - 1 - i for i in range(3)] == [261, 260, 259]
+
+
+def test_published_byt5_directories_name_their_tokenizer_in_config_json(saved, tmp_path):
+    _, directory, _, _ = saved["byt5"]
+    published = json.loads(pathlib.Path(directory, "config.json").read_text())
+    (tmp_path / "config.json").write_text(
+        json.dumps({**published, "tokenizer_class": "ByT5Tokenizer"})
+    )
+    # google/byt5-*: no spiece.model; ByT5Tokenizer's default of 125 sentinels fills 384 rows.
+    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("bytes", None, 125)
+    assert vocab.default_vocabulary(kind="bytes", extra_ids=125).vocab_size == 384
 
 
 # config.json of t5-small and google/flan-t5-small as published (the fields t5tpu reads).

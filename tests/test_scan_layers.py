@@ -275,6 +275,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
         convert,
         hf_format,  # imports tensorflow: kept out of the 8-device worker
     )
+    from t5tpu.formats.vocabulary_source import VocabularySource
 
     unrolled, stacked = params
     abstract = _abstract(stacked)
@@ -286,7 +287,8 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     hf_dir = str(tmp_path / "hf")
     config = dataclasses.replace(TINY, vocab_size=1024)
     hf_params = random_params(config, seed=1)
-    hf_format.export(hf_params, config, hf_dir, vocab.bundled_vocabulary_file(), extra_ids=0)
+    bundled = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
+    hf_format.export(hf_params, config, hf_dir, bundled)
     expected = layer_stacking.stack_layers(hf_params)
     loaded = convert.load_pretrained(hf_dir, _abstract(expected))
     assert_trees_equal(loaded, expected)

@@ -78,9 +78,7 @@ def _imported_description(path: str, gin_files: list[str]) -> _Description:
         config, vocabulary = convert.model_from_gin(gin_files, None)
         return _Description(config, vocabulary, path)
     config = importer.load_config(path)
-    vocabulary_file, extra_ids = importer.vocabulary(path)
-    vocabulary = vocab.default_vocabulary(vocabulary_file, extra_ids) if vocabulary_file else None
-    return _Description(config, vocabulary, path)
+    return _Description(config, importer.vocabulary(path).load(), path)
 
 
 def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description:

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 
@@ -26,7 +27,15 @@ from etils import epath
 from t5tpu import gin_setup, package_files
 from t5tpu.data import availability, vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import hf_format, mesh_tf_format, param_mapping, t5x_format
+from t5tpu.formats import (
+    hf_format,
+    hf_tokenizer,
+    mesh_tf_format,
+    param_mapping,
+    t5x_format,
+    vocabulary_source,
+)
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
 from t5tpu.storage import checkpoints
@@ -128,8 +137,7 @@ def pretrained_step(path: str) -> int:
 def model_gin(
     config: T5Config,
     checkpoint_path: str,
-    vocabulary_file: str | None,
-    extra_ids: int,
+    vocabulary: VocabularySource,
     command: str,
     assumed: str = "",
 ) -> str:
@@ -144,12 +152,8 @@ def model_gin(
     lines.append("")
     lines += [f"T5Config.{field} = {getattr(config, field)!r}" for field in _GEOMETRY]
     lines.append("")
-    if vocabulary_file:
-        lines += [
-            f"default_vocabulary.sentencepiece_model_file = {vocabulary_file!r}",
-            f"default_vocabulary.extra_ids = {extra_ids}",
-        ]
-    else:
+    lines += vocabulary.gin_bindings()
+    if vocabulary.kind == vocabulary_source.NONE:
         lines += [
             "# The checkpoint carries no vocabulary: the experiment's model gin binds it (T5's:",
             "# gs://t5-data/vocabs/cc_all.32000/sentencepiece.model, 100 extra ids).",
@@ -221,21 +225,20 @@ def to_t5tpu(
     config = importer.load_config(input_path)
     step = importer.load_step(input_path)
     params = importer.load_params(input_path, param_mapping.abstract_params(config))
-    vocabulary_file, extra_ids = importer.vocabulary(input_path)
+    vocabulary = importer.vocabulary(input_path)
 
     output_dir = _absolute(output_dir)
     _replace_output(output_dir)
     checkpoint = save_params(output_dir, step, params)
-    if vocabulary_file:
-        copied = os.path.join(output_dir, hf_format.VOCABULARY_FILE)
-        epath.Path(vocabulary_file).copy(copied, overwrite=True)
-        vocabulary_file = copied
+    if vocabulary.model_file:  # model.gin names the copy, which moves with the checkpoint
+        copied = os.path.join(output_dir, hf_tokenizer.VOCABULARY_FILE)
+        epath.Path(vocabulary.model_file).copy(copied, overwrite=True)
+        vocabulary = dataclasses.replace(vocabulary, model_file=copied)
     assumed = "" if source == "hf" else _assumptions(config)
     text = model_gin(
         config,
         checkpoint_path=checkpoint,
-        vocabulary_file=vocabulary_file,
-        extra_ids=extra_ids,
+        vocabulary=vocabulary,
         command=command,
         assumed=assumed,
     )
@@ -358,13 +361,12 @@ def to_hf(
     with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
         readable = _readable_gin_files(gin_files, staging)
         config, vocabulary = model_from_gin(readable, shapes)
-    # A byte vocabulary (ByT5) has no model file to ship: the export then holds the weights only.
-    vocabulary_file = getattr(vocabulary, "sentencepiece_model_file", None)
-    extra_ids = getattr(vocabulary, "extra_ids", 0)
     abstract = param_mapping.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
     _replace_output(output_dir)
-    hf_format.export(jax.device_get(params), config, output_dir, vocabulary_file, extra_ids)
+    hf_format.export(
+        jax.device_get(params), config, output_dir, vocabulary_source.of_vocabulary(vocabulary)
+    )
     print(
         f"wrote {output_dir} from {checkpoint_dir(run_dir, step)} "
         f"({_count(params):,} parameters); load it with "

@@ -1,5 +1,5 @@
 """Hugging Face T5 directories in and out: config.json + model.safetensors (or pytorch_model.bin,
-either possibly sharded with an index file), and spiece.model as the vocabulary.
+either possibly sharded with an index file), and the tokenizer files (hf_tokenizer.py).
 
 Covers t5-small ... t5-11b (T5 1.0: ReLU, output layer tied to the embedding and scaled by
 1/sqrt(d_model)), google/t5-v1_1-*, google/flan-t5-* and google/mt5-* (gated-GELU, separate
@@ -27,11 +27,11 @@ from etils import epath
 from flax import traverse_util
 
 from t5tpu.errors import UserError
-from t5tpu.formats import param_mapping
+from t5tpu.formats import hf_tokenizer, param_mapping
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
 
 CONFIG_FILE = "config.json"
-VOCABULARY_FILE = "spiece.model"
 GENERATION_CONFIG_FILE = "generation_config.json"
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_FILE = "pytorch_model.bin"
@@ -170,16 +170,9 @@ def is_hf_directory(path: str) -> bool:
     return epath.Path(path, CONFIG_FILE).exists()
 
 
-def vocabulary(directory: str) -> tuple[str | None, int]:
-    """(spiece.model path or None, its number of extra ids) of a Hugging Face directory."""
-    path = os.path.join(directory, VOCABULARY_FILE)
-    if not epath.Path(path).exists():
-        return None, 0
-    tokenizer_config = os.path.join(directory, "tokenizer_config.json")
-    extra_ids = 100  # T5Tokenizer's default, which every published T5 uses
-    if epath.Path(tokenizer_config).exists():
-        extra_ids = _read_json(tokenizer_config).get("extra_ids", extra_ids)
-    return path, extra_ids
+def vocabulary(directory: str) -> VocabularySource:
+    """The vocabulary a Hugging Face directory carries: spiece.model, ByT5's bytes, or none."""
+    return hf_tokenizer.read(directory)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -365,45 +358,22 @@ def export(
     params,
     config: T5Config,
     output_dir: str,
-    vocabulary_file: str | None = None,
-    extra_ids: int = 0,
+    vocabulary: VocabularySource | None = None,
 ) -> None:
-    """Writes config.json + model.safetensors (+ spiece.model and the tokenizer's files) and
-    generation_config.json, which transformers' from_pretrained, AutoTokenizer and
+    """Writes config.json + model.safetensors, generation_config.json and the vocabulary's
+    tokenizer files, which transformers' from_pretrained, AutoTokenizer and
     pipeline("text2text-generation") load offline. The tensors are the ones save_pretrained
     writes: no per-stack copies of the embedding, lm_head only when it is not tied."""
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
     tensors = {hf_name(name): to_hf(name, array) for name, array in flat.items()}
     output = epath.Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    _write_json(output / CONFIG_FILE, hf_config(config))
-    _write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG)
+    hf_tokenizer.write_json(output / CONFIG_FILE, hf_config(config))
+    hf_tokenizer.write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG)
     write_safetensors(os.path.join(output_dir, SAFETENSORS_FILE), dict(sorted(tensors.items())))
-    if vocabulary_file:
-        epath.Path(vocabulary_file).copy(output / VOCABULARY_FILE, overwrite=True)
-        _write_tokenizer_files(output, extra_ids)
+    hf_tokenizer.write(output, vocabulary or VocabularySource())
 
 
 # T5's ids: 0 pads and starts the decoder, 1 ends a sequence, 2 is unknown; every T5 vocabulary
 # (and t5tpu's decoding) uses them.
 _GENERATION_CONFIG = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
-_SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
-
-
-def _write_json(path: epath.Path, content: dict) -> None:
-    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
-
-
-def _write_tokenizer_files(output: epath.Path, extra_ids: int) -> None:
-    """T5Tokenizer's files for spiece.model with `extra_ids` sentinels (<extra_id_0>...)."""
-    sentinels = [f"<extra_id_{i}>" for i in range(extra_ids)]
-    special = {**_SPECIAL_TOKENS, "additional_special_tokens": sentinels}
-    tokenizer = {
-        "tokenizer_class": "T5Tokenizer",
-        "extra_ids": extra_ids,
-        "model_max_length": 512,
-        "legacy": True,  # as the published T5 tokenizers: sentencepiece's own tokenization
-        **special,
-    }
-    _write_json(output / "tokenizer_config.json", tokenizer)
-    _write_json(output / "special_tokens_map.json", special)

@@ -23,6 +23,7 @@ from etils import epath
 
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
 
 _TF_STATE_MAGIC = b"model_checkpoint_path"
@@ -145,9 +146,9 @@ def load_step(path: str) -> int:
     return MeshTFCheckpoint(path).step
 
 
-def vocabulary(path: str) -> tuple[str | None, int]:
+def vocabulary(path: str) -> VocabularySource:
     del path  # the `t5` library's checkpoints do not carry their vocabulary
-    return None, 0
+    return VocabularySource()
 
 
 def import_plan(abstract_params) -> dict[str, param_mapping.Source]:

@@ -27,6 +27,7 @@ from flax import serialization
 
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
 
 INDEX_FILE = "checkpoint"
@@ -136,9 +137,9 @@ def load_step(path: str) -> int:
     return T5XCheckpoint(path).step
 
 
-def vocabulary(path: str) -> tuple[str | None, int]:
+def vocabulary(path: str) -> VocabularySource:
     del path  # T5X checkpoints do not carry their vocabulary
-    return None, 0
+    return VocabularySource()
 
 
 def import_plan(abstract_params) -> dict[str, param_mapping.Source]:
