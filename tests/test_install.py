@@ -123,10 +123,16 @@ def test_wheel_holds_every_config_the_tasks_and_the_assets(wheel):
     gin_files = {f"t5tpu/configs/{p.relative_to(configs)}" for p in configs.rglob("*.gin")}
     assert len(gin_files) > 40 and gin_files <= names, sorted(gin_files - names)
     assert {p for p in names if p.endswith(".gin")} == gin_files
+    # Every module, subpackages included (a package missing from the list leaves it out).
+    modules = {
+        f"t5tpu/{path.relative_to(package)}"
+        for package in (pathlib.Path(ROOT, "t5tpu"), pathlib.Path(ROOT))
+        for path in package.glob("**/*.py" if package.name == "t5tpu" else "tasks/*.py")
+    }
+    assert {"t5tpu/api/loading.py", "t5tpu/tasks/quora.py"} <= modules
+    assert modules <= names, sorted(modules - names)
     for name in (
         "t5tpu/configs/__init__.py",
-        "t5tpu/tasks/__init__.py",
-        "t5tpu/tasks/quora.py",
         "t5tpu/assets/cpu_vocab.model",
         "t5tpu/assets/quora_sample/train.tsv",
         "t5tpu/assets/quora_sample/validation.tsv",
