@@ -175,3 +175,29 @@ def test_byt5_tiny_builds_a_model_with_the_byte_vocabulary():
     assert isinstance(model.vocabulary, seqio.ByteVocabulary)
     assert model.vocabulary.vocab_size == 259
     assert model.vocabulary is t5tpu.data.vocab.default_vocabulary(kind="bytes")
+
+
+PRETRAINED_STEP = 1_000_000  # T5's and mT5's released checkpoints (T5 1.0's Mesh TF: 999,900)
+
+
+@pytest.mark.parametrize(
+    "name",
+    sorted(
+        name[:-4]
+        for name in os.listdir(package_files.configs_dir("experiments"))
+        if name.endswith(".gin")
+    ),
+)
+def test_fine_tuning_experiments_train_past_their_pretrained_checkpoint(name):
+    """Steps count on from INITIAL_CHECKPOINT_PATH's step (runners/train.py), so a recipe that
+    starts from a released checkpoint either counts TRAIN_STEPS from it or names a step past
+    it; otherwise `t5tpu train` stops at once on the TPU."""
+    from t5tpu import gin_setup
+
+    gin_setup.parse([f"configs/experiments/{name}.gin"], [], [])
+    if not gin_setup.bound_value("train.initial_checkpoint_path"):
+        return
+    steps = gin_setup.bound_value("train.train_steps")
+    relative = gin_setup.bound_value("train.relative_steps")
+    last_step = steps + (PRETRAINED_STEP if relative else 0)
+    assert last_step > PRETRAINED_STEP, (name, steps, relative)
