@@ -10,9 +10,9 @@ from __future__ import annotations
 import gin
 import jax
 import jax.numpy as jnp
-import seqio
 
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio
 from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
 
@@ -100,7 +100,7 @@ class EncoderDecoderModel:
         weights = batch.get("decoder_loss_weights", (targets > 0).astype(jnp.float32))
         token_loss, z_term = cross_entropy(logits, targets, self.label_smoothing, self.z_loss)
         num_tokens = jnp.sum(weights)
-        correct = (jnp.argmax(logits, -1) == targets) * weights
+        correct = (decoding.first_max_index(logits) == targets) * weights
         metrics = {
             "loss_sum": jnp.sum(token_loss * weights),
             "z_loss_sum": jnp.sum(z_term * weights),
