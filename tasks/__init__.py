@@ -4,14 +4,14 @@ Nothing registers at import time: the runner calls `register_builtin_tasks` afte
 parsed, so every task is built with the vocabulary that the run's gin files bind.
 """
 
-import seqio
-from t5tpu.tasks import quora, squad, text_to_text
+import importlib
 
 from t5tpu.data import vocab
+from t5tpu.lazy_imports import seqio
 
 # Each module here exposes register(vocabulary) returning what it registered: one seqio Task or
 # Mixture, or a list of them or of their names.
-_TASK_MODULES = (quora, squad, text_to_text)
+_TASK_MODULES = ("quora", "squad", "text_to_text")
 
 
 def register_builtin_tasks() -> list[str]:
@@ -20,7 +20,8 @@ def register_builtin_tasks() -> list[str]:
     vocabulary = vocab.default_vocabulary()
     names = []
     for module in _TASK_MODULES:
-        names.extend(_names(module.register(vocabulary)))
+        registered = importlib.import_module(f"{__name__}.{module}").register(vocabulary)
+        names.extend(_names(registered))
     return names
 
 

@@ -6,7 +6,6 @@ Values are percentages, as T5 reports them.
 from collections.abc import Sequence
 
 import sacrebleu
-from rouge_score import rouge_scorer
 from t5tpu.tasks import squad_metrics
 
 POSITIVE_LABEL = "1"
@@ -68,6 +67,8 @@ def rouge(targets: Sequence[str], predictions: Sequence[str]) -> dict[str, float
     """Mean ROUGE-1, ROUGE-2 and ROUGE-Lsum F-measures (Google's rouge-score, with stemming,
     as T5's summarization results use), one reference per prediction."""
     _check_lengths(targets, predictions)
+    from rouge_score import rouge_scorer  # 0.7 s to import (nltk): only when ROUGE is asked for
+
     scorer = rouge_scorer.RougeScorer(list(ROUGE_TYPES), use_stemmer=True)
     totals = dict.fromkeys(ROUGE_TYPES, 0.0)
     for target, prediction in zip(targets, predictions, strict=True):

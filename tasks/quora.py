@@ -13,18 +13,19 @@ question2, is_duplicate) first, so the preprocessors after that are shared.
 Registered by `register`, which t5tpu.tasks.register_builtin_tasks calls once gin is parsed.
 """
 
+from __future__ import annotations
+
 import json
 import os
 
 import gin
 import numpy as np
-import seqio
-import tensorflow as tf
 from t5tpu.tasks import metrics
 
 from t5tpu import package_files
 from t5tpu.data import quora_csv
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio, tf
 
 TASK_NAME = "qp_is_duplicate"
 SIMILAR_TASK_NAME = "generate_similar_question"
@@ -209,7 +210,6 @@ def strip_output(output: str, example: dict | None = None, is_target: bool = Fal
 
 # --- registration ----------------------------------------------------------------------------
 
-_TAIL = (seqio.preprocessors.tokenize, seqio.CacheDatasetPlaceholder())
 _METRICS = {
     TASK_NAME: [metrics.accuracy, metrics.f1_duplicate],
     SIMILAR_TASK_NAME: [metrics.bleu, metrics.exact_match],
@@ -236,7 +236,8 @@ def _add_task(name: str, source, first_steps: list, vocabulary: seqio.Vocabulary
             *first_steps,
             normalize_questions,
             *_FORMATTING[kind],
-            *_TAIL,
+            seqio.preprocessors.tokenize,
+            seqio.CacheDatasetPlaceholder(),
             seqio.preprocessors.append_eos_after_trim,
         ],
         postprocess_fn=strip_output,

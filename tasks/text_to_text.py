@@ -15,12 +15,11 @@ import sys
 from collections.abc import Sequence
 
 import gin
-import seqio
-import tensorflow as tf
 from t5tpu.tasks import metrics
 
 from t5tpu.data import text_files
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio, tf
 
 METRICS = {
     "accuracy": metrics.accuracy,

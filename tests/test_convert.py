@@ -196,3 +196,11 @@ def test_t5x_checkpoint_converts_with_its_step(tmp_path):
     assert "T5Config.mlp_activations = ('relu',)" in text
     assert "# Not in the checkpoint, assumed as in T5: ReLU feed-forward" in text
     assert "carries no vocabulary" in text
+
+
+def test_model_from_gin_without_shapes_reads_the_gin_files_alone():
+    """t5tpu.load of a T5X or Mesh TF checkpoint with gin files passes no shapes: the names and
+    shapes are checked when the parameters are read."""
+    config, vocabulary = convert.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    assert (config.emb_dim, config.num_encoder_layers, config.vocab_size) == (128, 2, 1024)
+    assert vocabulary.vocab_size == 1024

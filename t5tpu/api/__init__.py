@@ -6,7 +6,8 @@
     model.is_duplicate("How do I learn Python?", "How can I learn Python?")
 
 Everything here is also reachable as `t5tpu.load` / `t5tpu.finetune`; importing `t5tpu` alone
-imports neither jax nor TensorFlow.
+imports neither jax nor TensorFlow. Importing this package turns on jax's persistent compilation
+cache as the command line does (t5tpu/compilation_cache.py).
 """
 
 from t5tpu.cli import process_setup
@@ -14,6 +15,10 @@ from t5tpu.cli import process_setup
 # TensorFlow reads inputs and files; loaded before anything imports it, without its start-up
 # noise, and kept off accelerators, which jax owns.
 process_setup.import_tensorflow_quietly()
+# Compiled programs kept on disk as the command line keeps them, so a notebook's second
+# `load(...).predict` starts without compiling (T5TPU_COMPILATION_CACHE=off turns it off; a
+# cache directory jax already has is left as it is).
+process_setup.enable_compilation_cache()
 
 from t5tpu.api.finetune import finetune  # noqa: E402
 from t5tpu.api.loading import load  # noqa: E402

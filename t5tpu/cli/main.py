@@ -67,7 +67,8 @@ def main(argv: list[str]) -> None:
     command = commands.GIN_COMMANDS.get(argv[1]) if len(argv) == 2 else None
     if command is None:
         fail(commands.unknown_command(argv[1:]))
-    process_setup.import_tensorflow_quietly()
+    if command.tensorflow:
+        process_setup.import_tensorflow_quietly()
     if command.compilation_cache:
         process_setup.enable_compilation_cache()
     from t5tpu import gin_setup

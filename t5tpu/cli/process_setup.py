@@ -7,43 +7,20 @@ Each step imports what it sets up, so a command that was only asked for --help n
 from __future__ import annotations
 
 import os
-import sys
 
-# Compiled programs are kept on disk, so a restarted run or a second command reuses them instead
-# of compiling again. T5TPU_COMPILATION_CACHE names the directory ('off' disables it); JAX's own
-# JAX_COMPILATION_CACHE_DIR, when set, wins.
-COMPILATION_CACHE_ENV = "T5TPU_COMPILATION_CACHE"
-DEFAULT_COMPILATION_CACHE = os.path.join("~", ".cache", "t5tpu", "jax")
+from t5tpu import compilation_cache, lazy_imports
 
 
 def import_tensorflow_quietly() -> None:
-    """TensorFlow (used only for input pipelines and file access) prints CUDA-probing lines from
-    C++ at import, which TF_CPP_MIN_LOG_LEVEL no longer silences; mute file descriptor 2 while it
-    loads. An import error still raises normally once stderr is back."""
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-    sys.stderr.flush()
-    saved = os.dup(2)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 2)
-        import tensorflow as tf
-
-        tf.config.set_visible_devices([], "GPU")  # leave accelerators to JAX
-    finally:
-        os.dup2(saved, 2)
-        os.close(devnull)
-        os.close(saved)
+    """TensorFlow loaded now, without its start-up noise (lazy_imports.py), for a command that
+    reads inputs or files through it: before jax starts its threads, as it always was."""
+    lazy_imports.import_tensorflow_quietly()
 
 
 def enable_compilation_cache() -> None:
-    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
-        return
-    directory = os.environ.get(COMPILATION_CACHE_ENV, DEFAULT_COMPILATION_CACHE)
-    if directory.strip().lower() in ("", "off", "none", "0", "false"):
-        return
-    import jax
-
-    jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+    """Compiled programs kept on disk, so a second command or a restarted run loads them
+    instead of compiling again (t5tpu/compilation_cache.py says where and how to turn it off)."""
+    compilation_cache.enable()
 
 
 def initialize_distributed(

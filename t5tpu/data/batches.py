@@ -8,8 +8,8 @@ from collections.abc import Iterator, Mapping
 
 import jax
 import numpy as np
-import tensorflow as tf
 
+from t5tpu.lazy_imports import tf
 from t5tpu.partitioning import host_data_rows
 
 
@@ -50,10 +50,26 @@ def padded_batches(ds: tf.data.Dataset, batch_size: int) -> Iterator[tuple[np.nd
     """Batches of an enumerated, finite dataset of (index, features), zero-padded to a fixed size
     so one compiled function serves them all. Yields (indices of the real rows, features)."""
     for indices, features in ds.batch(batch_size).as_numpy_iterator():
-        missing = batch_size - len(indices)
-        if missing:
-            features = {
-                k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)])
-                for k, v in features.items()
-            }
-        yield indices, features
+        yield indices, _padded(features, batch_size)
+
+
+def padded_array_batches(
+    features: Mapping[str, np.ndarray], batch_size: int
+) -> Iterator[tuple[np.ndarray, dict]]:
+    """The batches padded_batches makes, of arrays already in memory (one example a row):
+    without tf.data, which decoding a few given inputs should not wait to import."""
+    count = len(next(iter(features.values())))
+    for start in range(0, count, batch_size):
+        rows = slice(start, min(start + batch_size, count))
+        batch = {k: np.asarray(v[rows]) for k, v in features.items()}
+        yield np.arange(rows.start, rows.stop), _padded(batch, batch_size)
+
+
+def _padded(features: dict, batch_size: int) -> dict:
+    missing = batch_size - len(next(iter(features.values())))
+    if not missing:
+        return features
+    return {
+        k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)])
+        for k, v in features.items()
+    }

@@ -15,11 +15,10 @@ from collections.abc import Mapping
 
 import jax
 import numpy as np
-import seqio
-import tensorflow as tf
 from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
+from t5tpu.lazy_imports import seqio, tf
 from t5tpu.partitioning import DataLayout
 
 

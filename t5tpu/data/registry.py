@@ -7,9 +7,8 @@ import importlib
 import importlib.util
 import os
 
-import seqio
-
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio
 
 
 def import_task_module(module: str) -> None:

@@ -4,20 +4,26 @@ Model gin files bind `default_vocabulary.sentencepiece_model_file`: the T5 ones 
 cc_all.32000 model with extra_ids=100 (as the t5 library and HF do), the mT5 ones mC4's
 250k-piece model, the tiny CPU ones `@bundled_vocabulary_file()`, the 1,024-piece model that
 scripts/train_cpu_vocab.py trains on the bundled Quora sample. ByT5's bind
-`default_vocabulary.kind = 'bytes'` instead: UTF-8 bytes need no model file. Tasks are
+`default_vocabulary.kind = 'bytes'` instead: UTF-8 bytes need no model file. A SentencePiece
+vocabulary encodes and decodes without seqio or TensorFlow (sentencepiece_vocab.py), so a model
+that only decodes given text never imports them; what tasks' pipelines ask beyond that comes from
+seqio's vocabulary of the same model, made on first use. Tasks are
 registered with this vocabulary after gin has been parsed, so whichever kind the model gin picks
 reaches them through this one function.
 """
+
+from __future__ import annotations
 
 import functools
 import os
 
 import gin
-import seqio
-import tensorflow as tf
+from etils import epath
 
 from t5tpu import package_files
+from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio
 
 KINDS = ("sentencepiece", "bytes")
 
@@ -32,8 +38,9 @@ def bundled_vocabulary_file() -> str:
 def default_vocabulary(
     sentencepiece_model_file: str | None = None, extra_ids: int = 0, kind: str = "sentencepiece"
 ) -> seqio.Vocabulary:
-    """The vocabulary bound in gin: a SentencePiece model (None means the bundled CPU one) or,
-    with kind='bytes', seqio's ByteVocabulary (3 special ids, then the 256 byte values).
+    """The vocabulary bound in gin: a SentencePiece model (None means the bundled CPU one; ids
+    and text as seqio.SentencePieceVocabulary's) or, with kind='bytes', seqio's ByteVocabulary
+    (3 special ids, then the 256 byte values).
 
     Repeated calls with the same arguments return the same object, so tasks, feature
     converters and decoders all share one loaded model.
@@ -51,7 +58,7 @@ def default_vocabulary(
     path = sentencepiece_model_file or bundled_vocabulary_file()
     # Checked here, before anything is loaded, so a typo ends in one clear line; gs:// paths are
     # left to fail when read, since asking the bucket costs a round trip and credentials.
-    if not path.startswith("gs://") and not tf.io.gfile.exists(path):
+    if not path.startswith("gs://") and not epath.Path(path).exists():
         raise UserError(
             f"vocabulary file not found: {path}; bind default_vocabulary.sentencepiece_model_file"
             " to an existing SentencePiece model"
@@ -60,8 +67,8 @@ def default_vocabulary(
 
 
 @functools.cache
-def _load_vocabulary(path: str, extra_ids: int) -> seqio.SentencePieceVocabulary:
-    return seqio.SentencePieceVocabulary(path, extra_ids=extra_ids)
+def _load_vocabulary(path: str, extra_ids: int) -> SentencePieceVocabulary:
+    return SentencePieceVocabulary(path, extra_ids=extra_ids)
 
 
 @functools.cache

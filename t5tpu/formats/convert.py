@@ -293,8 +293,8 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
     """(T5Config, seqio vocabulary or None) bound by the gin files, checked against the
     checkpoint's shapes (None: checked when the parameters are read); without gin files, the
     geometry the shapes give and no vocabulary."""
-    flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
     if not gin_files:
+        flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
         config = param_mapping.config_from_flat_shapes(flat)
         print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
         return config, None

@@ -18,12 +18,12 @@ from __future__ import annotations
 import re
 
 import numpy as np
-import tensorflow as tf
 from etils import epath
 
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
 from t5tpu.formats.vocabulary_source import VocabularySource
+from t5tpu.lazy_imports import tf
 from t5tpu.model.network import T5Config
 
 _TF_STATE_MAGIC = b"model_checkpoint_path"

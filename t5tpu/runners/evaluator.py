@@ -14,17 +14,15 @@ import time
 
 import jax
 import numpy as np
-import seqio
-import tensorflow as tf
 from etils import epath
 
 from t5tpu.data import batches, pipeline
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio, tf
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage import summaries
 
 
 def recorded_metrics(path: str) -> dict:
@@ -90,6 +88,9 @@ class TaskEvaluator:
         # Made with the first results: a writer makes its event file at once, and a run that
         # fails before any result (an unreadable checkpoint) must leave nothing behind.
         if self._writer is None:
+            # clu's writers import TensorFlow: imported here, not when gin files are parsed.
+            from t5tpu.storage import summaries
+
             self._writer = summaries.writer(
                 self.summaries_dir, just_logging=jax.process_index() > 0
             )

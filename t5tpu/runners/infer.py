@@ -19,13 +19,12 @@ import sys
 
 import jax
 import numpy as np
-import seqio
-import tensorflow as tf
 from etils import epath
 
 from t5tpu import gin_setup
 from t5tpu.data import availability, batches, pipeline, registry
 from t5tpu.errors import UserError
+from t5tpu.lazy_imports import seqio
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
@@ -218,14 +217,12 @@ class _Checkpoints:
         return checkpoints.restore_params(self.mngr, step, self.params_shape, self.shardings)
 
 
-def _token_dataset(examples: list[dict], input_length: int) -> tf.data.Dataset:
-    """(index, {"encoder_input_tokens"}) per example, padded to the input length."""
+def _input_tokens(examples: list[dict], input_length: int) -> np.ndarray:
+    """The examples' input ids, one row each, zero-padded to the input length."""
     tokens = np.zeros((len(examples), input_length), np.int32)
     for row, ex in enumerate(examples):
         tokens[row, : len(ex["ids"])] = ex["ids"]
-    return tf.data.Dataset.from_tensor_slices(
-        (np.arange(len(examples)), {"encoder_input_tokens": tokens})
-    )
+    return tokens
 
 
 class _Decoder:
@@ -257,8 +254,8 @@ class _Decoder:
         """{"input", "prediction"} (and "target" when known) per example, in order."""
         rng = jax.random.PRNGKey(self.seed)
         rows = []
-        ds = _token_dataset(inputs.examples, self.input_length)
-        for indices, batch in batches.padded_batches(ds, self.batch_size):
+        tokens = {"encoder_input_tokens": _input_tokens(inputs.examples, self.input_length)}
+        for indices, batch in batches.padded_array_batches(tokens, self.batch_size):
             rng, batch_rng = jax.random.split(rng)
             global_batch = batches.full_batch_to_global(batch, self.batch_sharding)
             out = self._predict(params, global_batch, batch_rng)

@@ -288,8 +288,7 @@ def plan(
 def _compile(
     plan: memory_plan.MemoryPlan, optimizer, given: Partitioner
 ) -> compiled_memory.CompiledMemory:
-    import seqio
-
+    from t5tpu.lazy_imports import seqio
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
 
     topology = given.topology

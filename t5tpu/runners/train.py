@@ -39,13 +39,12 @@ from jax.experimental import multihost_utils
 from t5tpu import gin_setup
 from t5tpu.data import availability, pipeline, registry
 from t5tpu.errors import UserError
-from t5tpu.formats import convert
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints, summaries
+from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.writer_lock import WriterLock
 from t5tpu.training import trainer
@@ -168,7 +167,11 @@ def _input_start_step(resume: checkpoints.ResumePoint | None, initial_path: str 
     pretrained checkpoint's step (T5 1.1's is 1,000,000), else 0."""
     if resume and resume.input_start_step is not None:
         return resume.input_start_step
-    return convert.pretrained_step(initial_path) if initial_path else 0
+    if not initial_path:
+        return 0
+    from t5tpu.formats import convert  # imports TensorFlow: see _fresh_state
+
+    return convert.pretrained_step(initial_path)
 
 
 def _start_point(
@@ -208,7 +211,11 @@ def _fresh_state(*, setup: StepSetup, seed: int, start: StartPoint) -> trainer.T
     params = None
     initial_path = start.initial_checkpoint_path
     if initial_path:
-        # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
+        # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint. The
+        # converters import TensorFlow (Mesh TF's reader) at their top: imported here, so that
+        # gin files naming `train` parse without it (`t5tpu plan`, `t5tpu infer`).
+        from t5tpu.formats import convert
+
         params = convert.load_pretrained(
             initial_path, setup.abstract.params, setup.shardings.params
         )
@@ -301,6 +308,8 @@ def _train_steps(
         saved_position=checkpoints.input_position_path(mngr, first_step),
     )
     evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
+    from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
+
     writer = summaries.writer(
         paths.train_summaries(model_dir), just_logging=jax.process_index() > 0
     )

@@ -1,0 +1,78 @@
+"""JAX's persistent compilation cache: where t5tpu keeps it and how it is turned on.
+
+Compiled programs are written to disk, so a second `t5tpu infer` (or a restarted training run)
+loads them instead of compiling again. The cache lives in the user's cache directory, not in
+MODEL_DIR: programs are keyed by what they compute, so runs in different MODEL_DIRs share them,
+and a gs:// MODEL_DIR would make every lookup a network round trip.
+
+T5TPU_COMPILATION_CACHE names another directory, or turns the cache off ('off'). JAX's own
+JAX_COMPILATION_CACHE_DIR (or a cache directory already set in jax.config) wins, with JAX's own
+settings left as they are. A cache directory that cannot be written never fails a run: it is
+skipped with one warning.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import tempfile
+
+ENV = "T5TPU_COMPILATION_CACHE"
+_OFF = frozenset({"off", "none", "0", "false", "no"})
+
+
+def default_directory() -> str:
+    """$XDG_CACHE_HOME/t5tpu/jax, ~/.cache/t5tpu/jax without it."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "t5tpu", "jax")
+
+
+def directory() -> str | None:
+    """The directory T5TPU_COMPILATION_CACHE names (else the default); None when it is off."""
+    chosen = os.environ.get(ENV, "").strip()
+    if chosen.lower() in _OFF:
+        return None
+    return os.path.expanduser(chosen) if chosen else default_directory()
+
+
+def _unwritable(path: str) -> str | None:
+    """Why no cache entry can be written under `path`, or None when one can. Remote paths
+    (gs://) are JAX's to reach; asking the bucket here would cost a round trip every start."""
+    if "://" in path:
+        return None
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        return e.strerror or type(e).__name__
+    return None
+
+
+def enable() -> str | None:
+    """Turns the cache on for this process; returns its directory, or None when it is off or
+    cannot be written. Call it before the first compile: JAX opens the cache once."""
+    import jax
+
+    if jax.config.jax_compilation_cache_dir:  # JAX_COMPILATION_CACHE_DIR, or the caller's own
+        return jax.config.jax_compilation_cache_dir
+    path = directory()
+    if path is None:
+        return None
+    why = _unwritable(path)
+    if why:
+        # Read-only home, full disk: the run is fine without it, only slower to start.
+        print(
+            f"t5tpu: warning: compilation cache {path} cannot be written ({why}); compiling "
+            f"without it (set {ENV} to a writable directory, or to 'off')",
+            file=sys.stderr,
+            flush=True,
+        )
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    # JAX keeps only programs that took a second or more to compile; a small model's programs
+    # (decoding, the random-key set-up, restore's helpers) compile faster than that, and
+    # together they are most of a second call's start.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
