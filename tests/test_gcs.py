@@ -268,12 +268,21 @@ MISSING_BUCKET = "gs://no-such-bucket-t5tpu/run"
 
 
 # (command, its flags): each names MISSING_BUCKET in one of its paths.
-def _local_outputs(argv: list[str], tmp_path) -> list[str]:
-    """Flags giving a command that is not about MODEL_DIR a local one (a gs:// one is what the
-    others test), or convert a local output directory."""
+def _run_outputs_local(argv: list[str], tmp_path, *, env, timeout: float):
+    """Runs `t5tpu ARGV` with a local MODEL_DIR when the command is not about MODEL_DIR (a
+    gs:// one is what the others test), or convert with a local output directory."""
     if argv[0] == "convert":
-        return [f"--output_dir={tmp_path / 'out'}"]
-    return [] if any("MODEL_DIR" in arg for arg in argv) else [f"--gin.MODEL_DIR='{tmp_path}'"]
+        local = [f"--output_dir={tmp_path / 'out'}"]
+    else:
+        local = [] if any("MODEL_DIR" in arg for arg in argv) else [f"--gin.MODEL_DIR='{tmp_path}'"]
+    return subprocess.run(
+        cli_command(*argv, *local),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 ON_A_MISSING_BUCKET = {
@@ -295,15 +304,7 @@ ON_A_MISSING_BUCKET = {
 
 @pytest.mark.parametrize("argv", list(ON_A_MISSING_BUCKET.values()), ids=list(ON_A_MISSING_BUCKET))
 def test_a_missing_bucket_is_one_line_and_never_created(argv, endpoint, env, tmp_path):
-    local = _local_outputs(argv, tmp_path)
-    run = subprocess.run(
-        cli_command(*argv, *local),
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=COMMAND_SECONDS,
-    )
+    run = _run_outputs_local(argv, tmp_path, env=env, timeout=COMMAND_SECONDS)
     assert_one_line_error(run, MISSING_BUCKET)
     assert gcs_emulator.bucket_names(endpoint) == [BUCKET]
 
@@ -322,16 +323,8 @@ UNREACHABLE = {
 @pytest.mark.parametrize("argv", list(UNREACHABLE.values()), ids=list(UNREACHABLE))
 def test_an_unreachable_endpoint_is_one_line_within_a_bounded_time(argv, tmp_path):
     closed = client_env(f"http://127.0.0.1:{free_port()}")  # nothing listens there
-    local = _local_outputs(argv, tmp_path)
     start = time.time()
-    run = subprocess.run(
-        cli_command(*argv, *local),
-        cwd=ROOT,
-        env=closed,
-        capture_output=True,
-        text=True,
-        timeout=UNREACHABLE_BOUND_SECONDS,
-    )
+    run = _run_outputs_local(argv, tmp_path, env=closed, timeout=UNREACHABLE_BOUND_SECONDS)
     assert_one_line_error(run, GS_RUN)
     assert "did not answer" in run.stderr
     assert time.time() - start < UNREACHABLE_BOUND_SECONDS
