@@ -10,7 +10,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from t5tpu.tools import bench, bench_hf, bench_limits, bench_names, bench_timing, bench_workloads
+from t5tpu.tools import (
+    bench,
+    bench_hf,
+    bench_kernels,
+    bench_limits,
+    bench_names,
+    bench_timing,
+    bench_workloads,
+)
 
 TINY = "configs/models/t5_1_1/tiny.gin"
 SHAPE = ["--batch_size=2", "--input_length=16", "--target_length=8", "--decode_length=6"]
@@ -79,6 +87,8 @@ def check_summary(summary, ours):
         assert line["fraction_of_limit"] == ours[workload]["fraction_of_limit"] > 0
         assert len(ours[workload]["limit_probes"]) == 1  # one after each of its 1 repetitions
         assert line["hf_ratio"] == pytest.approx(line["tokens_per_s"] / line["hf_tokens_per_s"])
+        assert line["dense_share"] == pytest.approx(line["dense_matmul_ms"] / line["step_ms"])
+        assert len(ours[workload]["dense_matmul_probes"]) == 1 and line["dense_share"] > 0
     assert lines["train"]["step_ms"] == pytest.approx(ours["train"]["seconds_per_step"] * 1e3)
     assert lines["score"]["limit"].startswith("matmul peak")
     beam = lines["beam"]
@@ -134,6 +144,38 @@ def test_decode_floor_bytes_by_hand():
     decoder = bench_workloads._random_params(model, args)["decoder"]
     leaves = jax.tree_util.tree_leaves_with_path(decoder)
     assert 4 * sum(np.size(x) for p, x in leaves if read_each_step(p)) == parts["decoder_weights"]
+
+
+def test_dense_matmuls_are_the_weight_matmuls():
+    """The dense-matmul chains count every weight matmul (the analytic FLOPs less attention's
+    own matmuls) and XLA compiles all of them (its FLOP count of the chain, which adds only the
+    carried scalar's adds)."""
+    args = bench.parse_args([f"--gin_file={TINY}"])
+    config = bench_workloads.build_model(args).config
+    inner, batch, inputs, targets, layers = 128, 2, 16, 8, 2
+    attention = (
+        2
+        * batch
+        * layers
+        * (inputs * 2 * inputs * inner + targets * (2 * targets * inner + 2 * inputs * inner))
+    )
+    forward = bench_kernels.forward_dense(config, batch, inputs, targets)
+    assert sum(m.flops for m in forward) == pytest.approx(
+        bench_workloads.forward_flops(config, batch, inputs, targets) - attention
+    )
+    step = bench_kernels.decode_step_dense(config, rows=8)
+    step_attention = 2 * 8 * layers * (2 * inputs * inner + 2 * inner * (6 + 1) / 2)
+    assert sum(m.flops for m in step) == pytest.approx(
+        bench_workloads.decode_step_flops(config, 8, inputs, 6) - step_attention
+    )
+    for matmuls, backward in ((forward, True), (step, False)):
+        probe = bench_kernels.dense_probe(matmuls, jnp.float32, backward)
+        operands = bench_kernels.dense_operands(matmuls, jnp.float32, backward)
+        compiled = bench_kernels.dense_chain(matmuls, backward).lower(*operands).compile()
+        cost = compiled.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        assert cost["flops"] == pytest.approx(probe.work, rel=0.01)
+        assert np.isfinite(float(probe.fn()))
 
 
 def test_hf_reference_has_our_geometry():

@@ -65,6 +65,20 @@ def memory_floor(step_seconds: float, floor_bytes: dict, bandwidth, step_flops, 
     }
 
 
+def dense_share(step_seconds: float, dense_flops: float, dense) -> dict:
+    """The step's dense matmuls alone, as XLA runs them at the step's shapes (bench_kernels;
+    `dense` is their measured Limit, in FLOP/s), and their share of the step: what is left,
+    1 - dense_share, is everything else the step does (attention, norms, softmax, the
+    optimizer, cache updates, dispatch)."""
+    dense_seconds = dense_flops / dense.value
+    return {
+        "dense_matmul_ms": dense_seconds * 1e3,
+        "dense_matmul_flops_per_s": dense.value,
+        "dense_share": dense_seconds / step_seconds,
+        "dense_matmul_probes": list(dense.probes),
+    }
+
+
 def xla_cost(cost: dict) -> dict:
     return {f"xla_{k.replace(' ', '_')}": v for k, v in cost.items()}
 
@@ -118,7 +132,14 @@ def derived(results: list[dict]) -> list[dict]:
     return out
 
 
-SUMMARY_EXTRAS = ("batch_size", "num_beams", "memory_floor_ms", "compute_floor_ms")
+SUMMARY_EXTRAS = (
+    "batch_size",
+    "num_beams",
+    "memory_floor_ms",
+    "compute_floor_ms",
+    "dense_matmul_ms",
+    "dense_share",
+)
 PIPELINE_LIMIT = "none: the host input pipeline has no machine limit here; see pipeline/train"
 
 
@@ -156,9 +177,12 @@ def _tokens_per_s(result: dict) -> float:
 def _note(r: dict) -> str:
     if "probes" in r:
         return f"probes {r['min'] / 1e9:.1f}-{r['max'] / 1e9:.1f}"
+    dense = f"dense matmuls {r['dense_matmul_ms']:.3g} ms" if "dense_matmul_ms" in r else ""
     if "memory_floor_ms" in r:
         floors = f"floor {r['memory_floor_ms']:.3g} (compute {r['compute_floor_ms']:.3g})"
-        return f"step {r['step_ms']:.3g} ms, {floors}"
+        return f"step {r['step_ms']:.3g} ms, {floors}, {dense}"
+    if dense:
+        return dense
     ratios = ("ratio", "time_per_token_ratio", "examples_per_s_ratio")
     return next((f"{k} {r[k]:.3g}" for k in ratios if k in r), "")
 

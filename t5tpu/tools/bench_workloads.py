@@ -14,10 +14,12 @@ import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.tools import bench_hf
+from t5tpu.tools.bench_kernels import decode_step_dense, dense_probe, forward_dense
 from t5tpu.tools.bench_limits import bandwidth, decode_step_bytes, make_probes, probe_all
 from t5tpu.tools.bench_names import HF, OURS
 from t5tpu.tools.bench_report import (
     decode_result,
+    dense_share,
     derived,
     memory_floor,
     peak_fraction,
@@ -133,6 +135,11 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
     seed = jax.random.PRNGKey(1)
     compiled, compile_s, cost = compile_seconds(step, state, batch, seed)
     flops = 3.0 * forward_flops(model.config, args.batch_size, *lengths)
+    dense = dense_probe(
+        forward_dense(model.config, args.batch_size, *lengths),
+        model.config.activation_dtype,
+        backward=True,
+    )
 
     def run():
         nonlocal state
@@ -147,11 +154,12 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
             "flops_per_step": flops,
             **against_peak,
             "mfu": against_peak["fraction_of_limit"],  # the name earlier results used
+            **dense_share(seconds, dense.work, limits["dense_matmuls"]),
             "optimizer": args.optimizer,
             **xla_cost(cost),
         }
 
-    return Workload(run, report, probes=(probes["matmul_peak"],))
+    return Workload(run, report, probes=(probes["matmul_peak"], dense))
 
 
 def bench_score(model, args, batch, probes: dict) -> Workload:
@@ -160,6 +168,8 @@ def bench_score(model, args, batch, probes: dict) -> Workload:
     compiled, compile_s, cost = compile_seconds(jax.jit(model.score), params, features)
     lengths = (args.input_length, args.target_length)
     flops = forward_flops(model.config, args.batch_size, *lengths)
+    matmuls = forward_dense(model.config, args.batch_size, *lengths)
+    dense = dense_probe(matmuls, model.config.activation_dtype)
 
     def report(seconds: float, limits: dict) -> dict:
         return {
@@ -167,10 +177,12 @@ def bench_score(model, args, batch, probes: dict) -> Workload:
             "compile_seconds": compile_s,
             "flops_per_step": flops,
             **peak_fraction(flops, seconds, limits["matmul_peak"]),
+            **dense_share(seconds, dense.work, limits["dense_matmuls"]),
             **xla_cost(cost),
         }
 
-    return Workload(lambda: compiled(params, features), report, probes=(probes["matmul_peak"],))
+    probes = (probes["matmul_peak"], dense)
+    return Workload(lambda: compiled(params, features), report, probes=probes)
 
 
 def _decode_fns(model, length: int, num_beams: int, alpha: float):
@@ -208,6 +220,7 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
     flops = decode_flops(config, batch, args.input_length, length, num_beams)
     step_flops = decode_step_flops(config, batch * num_beams, args.input_length, length)
     floor_bytes = decode_step_bytes(config, batch, args.input_length, length, num_beams)
+    dense = dense_probe(decode_step_dense(config, batch * num_beams), config.activation_dtype)
 
     def report(seconds: float, prefill: float, limits: dict) -> dict:
         # The loop's steps are the whole decode less its prefill (medians of interleaved
@@ -220,6 +233,7 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
             **memory_floor(
                 loop / length, floor_bytes, bandwidth(limits), step_flops, limits["matmul_peak"]
             ),
+            **dense_share(loop / length, dense.work, limits["dense_matmuls"]),
         }
 
     run_prefill = lambda: compiled_prefill(params, tokens)
@@ -227,7 +241,8 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
         lambda: compiled(params, tokens),
         report,
         parts={"prefill": run_prefill},
-        probes=tuple(probes.values()),  # both bandwidths, and the peak for the compute floor
+        # Both bandwidths, the peak for the compute floor, and the step's own dense matmuls.
+        probes=(*probes.values(), dense),
     )
 
 

@@ -1,0 +1,109 @@
+"""A workload's dense matmuls on their own, for `t5tpu bench`: how long XLA takes for exactly
+the weight matmuls a train step, a scoring pass or one decoding step does, at the same shapes,
+with nothing else around them (no attention, norms, softmax, optimizer, cache updates).
+
+The machine's limits (bench_limits) say what the hardware could do; this says what XLA's own
+matmul kernels do at the model's shapes. On the 2-core CPU VM the two differ most where it
+matters for decoding: a [8, 512] x [512, 1024] float32 matmul streams its weights at ~25 GB/s,
+~100 GFLOP/s, where the memory streams at 45-70 GB/s and a large matmul reaches ~460 GFLOP/s. A
+step's time is then its dense matmuls' time (`dense_matmul_ms`) plus what the rest of the step
+adds; `dense_share` is the first over the step.
+
+Each matmul gets its own weight matrix (so the chain reads as many weight bytes as the step),
+and each one's input depends on the previous one's output (so XLA can neither hoist, drop nor
+run any of them side by side, which the step's own dependencies do not allow either)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from t5tpu.tools.bench_limits import Probe
+
+
+@dataclasses.dataclass(frozen=True)
+class DenseMatmul:
+    """[rows, fan_in] x [fan_in, fan_out]."""
+
+    rows: int
+    fan_in: int
+    fan_out: int
+
+    @property
+    def flops(self) -> float:
+        return 2.0 * self.rows * self.fan_in * self.fan_out
+
+
+def _layer(config, rows: int, cross: bool) -> list[DenseMatmul]:
+    """One layer's weight matmuls for `rows` tokens: attention's query, key, value and output
+    projections, the cross-attention's query and output (`cross`: its keys and values come from
+    the encoder, counted apart), and the feed-forward's input kernels and output."""
+    d, inner, ff = config.emb_dim, config.num_heads * config.head_dim, config.mlp_dim
+    attention = [DenseMatmul(rows, d, inner)] * 3 + [DenseMatmul(rows, inner, d)]
+    if cross:
+        attention += [DenseMatmul(rows, d, inner), DenseMatmul(rows, inner, d)]
+    mlp = [DenseMatmul(rows, d, ff)] * len(config.mlp_activations) + [DenseMatmul(rows, ff, d)]
+    return attention + mlp
+
+
+def forward_dense(config, batch: int, input_length: int, target_length: int) -> list:
+    """The weight matmuls of one forward pass (train's forward, scoring)."""
+    enc_rows, dec_rows = batch * input_length, batch * target_length
+    d, inner = config.emb_dim, config.num_heads * config.head_dim
+    encoder = _layer(config, enc_rows, cross=False) * config.num_encoder_layers
+    cross_kv = [DenseMatmul(enc_rows, d, inner)] * 2 * config.num_decoder_layers
+    decoder = _layer(config, dec_rows, cross=True) * config.num_decoder_layers
+    return encoder + cross_kv + decoder + [DenseMatmul(dec_rows, d, config.vocab_size)]
+
+
+def decode_step_dense(config, rows: int) -> list:
+    """The weight matmuls of one decoding step of `rows` hypotheses (the cross-attention's keys
+    and values are in the cache by then)."""
+    decoder = _layer(config, rows, cross=True) * config.num_decoder_layers
+    return decoder + [DenseMatmul(rows, config.emb_dim, config.vocab_size)]
+
+
+def dense_operands(matmuls: list[DenseMatmul], dtype, backward: bool) -> tuple:
+    """(weights, inputs, output gradients) for dense_chain: a weight matrix per matmul, so the
+    chain reads as many weight bytes as the workload; inputs and output gradients (`backward`
+    only) shared by shape, by (rows, width)."""
+    rng = iter(range(10**9))
+    normal = lambda shape: jax.random.normal(jax.random.PRNGKey(next(rng)), shape, dtype)
+    weights = [normal((m.fan_in, m.fan_out)) for m in matmuls]
+    inputs = {(m.rows, m.fan_in): normal((m.rows, m.fan_in)) for m in matmuls}
+    grads = {(m.rows, m.fan_out): normal((m.rows, m.fan_out)) for m in matmuls if backward}
+    return weights, inputs, grads
+
+
+def dense_chain(matmuls: list[DenseMatmul], backward: bool):
+    """The jitted chain over dense_operands: each matmul in turn, with `backward` its two gradient
+    matmuls too ([rows, out] x [out, in] and [in, rows] x [rows, out]), as a train step's
+    backward pass does."""
+
+    @jax.jit
+    def chain(weights, inputs, grads):
+        carry = jnp.zeros((), next(iter(inputs.values())).dtype)
+        for m, w in zip(matmuls, weights, strict=True):
+            x = inputs[(m.rows, m.fan_in)] + carry
+            products = [x @ w]
+            if backward:
+                dy = grads[(m.rows, m.fan_out)]
+                products += [dy @ w.T, x.T @ dy]
+            # The next input depends on one element of each product; the barrier makes sure
+            # no XLA version computes only that element (the tests check the compiled FLOPs).
+            products = jax.lax.optimization_barrier(products)
+            carry = sum(p[0, 0] for p in products) * 1e-30
+        return carry
+
+    return chain
+
+
+def dense_probe(matmuls: list[DenseMatmul], dtype, backward: bool = False) -> Probe:
+    """A Probe (rate in FLOP/s) that runs dense_chain once."""
+    chain = dense_chain(matmuls, backward)
+    operands = dense_operands(matmuls, dtype, backward)
+    flops = sum(m.flops for m in matmuls) * (3 if backward else 1)
+    shape = f"{len(matmuls)} dense matmuls{' and their gradients' if backward else ''}"
+    return Probe("dense_matmuls", "FLOP/s", shape, lambda: chain(*operands), flops)
