@@ -8,7 +8,8 @@ and a gs:// MODEL_DIR would make every lookup a network round trip.
 T5TPU_COMPILATION_CACHE names another directory, or turns the cache off ('off'). JAX's own
 JAX_COMPILATION_CACHE_DIR (or a cache directory already set in jax.config) wins, with JAX's own
 settings left as they are. A cache directory that cannot be written never fails a run: it is
-skipped with one warning.
+skipped with one warning. The cache keeps at most MAX_BYTES: past that, JAX drops the least
+recently used programs (JAX_COMPILATION_CACHE_MAX_SIZE, in bytes, sets another limit).
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import sys
 import tempfile
 
 ENV = "T5TPU_COMPILATION_CACHE"
+# JAX keeps every program forever unless told a size. T5 1.1 small's programs are 2 MB at most
+# on CPU and the tests leave ~30 MB; this leaves room for many models' programs on TPU.
+MAX_BYTES = 2 * 2**30
 _OFF = frozenset({"off", "none", "0", "false", "no"})
 
 
@@ -75,4 +79,6 @@ def enable() -> str | None:
     # together they are most of a second call's start.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
+        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
     return path
