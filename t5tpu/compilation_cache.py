@@ -8,19 +8,20 @@ and a gs:// MODEL_DIR would make every lookup a network round trip.
 T5TPU_COMPILATION_CACHE names another directory, or turns the cache off ('off'). JAX's own
 JAX_COMPILATION_CACHE_DIR (or a cache directory already set in jax.config) wins, with JAX's own
 settings left as they are. A cache directory that cannot be written never fails a run: it is
-skipped with one warning. The cache keeps at most MAX_BYTES: past that, JAX drops the least
-recently used programs (JAX_COMPILATION_CACHE_MAX_SIZE, in bytes, sets another limit).
+skipped with one warning. At every start the cache is trimmed to MAX_BYTES, least recently
+used programs first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import tempfile
 
 ENV = "T5TPU_COMPILATION_CACHE"
-# JAX keeps every program forever unless told a size. T5 1.1 small's programs are 2 MB at most
-# on CPU and the tests leave ~30 MB; this leaves room for many models' programs on TPU.
+# JAX keeps every program forever. T5 1.1 small's programs are 2 MB at most on CPU and the
+# tests leave ~30 MB; this leaves room for many models' programs on TPU.
 MAX_BYTES = 2 * 2**30
 _OFF = frozenset({"off", "none", "0", "false", "no"})
 
@@ -79,6 +80,34 @@ def enable() -> str | None:
     # together they are most of a second call's start.
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    if "JAX_COMPILATION_CACHE_MAX_SIZE" not in os.environ:
-        jax.config.update("jax_compilation_cache_max_size", MAX_BYTES)
+    trim(path)
     return path
+
+
+def trim(path: str, max_bytes: int | None = None) -> int:
+    """Deletes the least recently used files of the cache at `path` (by their access times, or
+    their write times where the file system keeps none) until it holds at most `max_bytes`
+    (MAX_BYTES by default); returns how many went. A listing and a stat per program:
+    milliseconds. Not JAX's own size limit (jax_compilation_cache_max_size): that one keeps a
+    last-use file per program, locks the directory for every lookup, and fails to write new
+    programs beside ones cached without it, as every cache made before would be."""
+    max_bytes = MAX_BYTES if max_bytes is None else max_bytes
+    if "://" in path:
+        return 0
+    entries = []
+    with os.scandir(path) as listing:
+        for entry in listing:
+            with contextlib.suppress(OSError):
+                if entry.is_file():
+                    stat = entry.stat()
+                    entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for _, size, file in sorted(entries):
+        if total <= max_bytes:
+            break
+        with contextlib.suppress(OSError):  # another process's trim took it first
+            os.remove(file)
+            removed += 1
+        total -= size
+    return removed

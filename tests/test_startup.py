@@ -71,22 +71,16 @@ def _warnings(run) -> list[str]:
     return [line for line in run.stderr.splitlines() if line.startswith("t5tpu: warning:")]
 
 
-def _programs(cache) -> dict[str, str]:
-    """The cached programs' digests, without the last-use times and the lock that JAX's
-    size-limited cache keeps beside them."""
-    return {k: v for k, v in file_digests(cache).items() if k.endswith("-cache")}
-
-
 def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
     cache = tmp_path / "cache"
     first, predictions = _infer(model_dir, str(cache))
     assert [p["input"] for p in predictions] == QUESTIONS
-    entries = _programs(cache)
+    entries = file_digests(cache)
     # The decode and the small programs around it (random keys, restore's helpers) alike.
     assert len(entries) >= 2, sorted(entries)
     second, again = _infer(model_dir, str(cache))
     assert again == predictions
-    assert _programs(cache) == entries  # nothing compiled anew: every program was found
+    assert file_digests(cache) == entries  # nothing compiled anew: every program was found
     _, without = _infer(model_dir, "off")
     assert without == predictions
     assert _warnings(first) == _warnings(second) == []
@@ -113,42 +107,44 @@ def test_read_only_cache_dir_does_not_break_a_run(model_dir, tmp_path):
     assert predictions == without
 
 
-EVICTION = """
-import json, pathlib, sys
-import jax, jax.numpy as jnp
+def _aged_files(folder, count: int, size: int) -> list:
+    """`count` files of `size` bytes in `folder`, last used an hour apart, the first longest ago."""
+    folder.mkdir(parents=True, exist_ok=True)
+    files = [folder / f"jit_old_{n}-cache" for n in range(count)]
+    for n, file in enumerate(files):
+        file.write_bytes(b"x" * size)
+        os.utime(file, (1_700_000_000 + 3600 * n,) * 2)
+    return files
+
+
+def test_trim_drops_the_least_recently_used_first(tmp_path):
+    files = _aged_files(tmp_path, count=6, size=1000)
+    assert compilation_cache.trim(str(tmp_path), max_bytes=3500) == 3
+    assert [f.exists() for f in files] == [False] * 3 + [True] * 3
+    assert compilation_cache.trim(str(tmp_path), max_bytes=3500) == 0
+
+
+TRIMMED_START = """
+import sys
+import jax
 from t5tpu import compilation_cache
 compilation_cache.MAX_BYTES = int(sys.argv[1])
-cache = pathlib.Path(compilation_cache.enable())
-for n in range(1, 13):  # twelve programs, each different and bigger than the last
-    jax.jit(lambda x: jnp.sin(x) ** n + jnp.arange(64.0 * n))(1.0).block_until_ready()
-    print(json.dumps(sorted(p.name for p in cache.glob("*-cache"))))
+compilation_cache.enable()
+jax.jit(lambda x: x * 3)(1.0).block_until_ready()
 """
 
 
-def _compile_twelve(cache, limit: int) -> list[set]:
-    """Runs EVICTION with the cache at `cache` limited to `limit` bytes: the cached programs'
-    names after each of the twelve compiles."""
+def test_each_start_trims_the_cache_then_adds_to_it(tmp_path):
+    cache = tmp_path / "cache"
+    files = _aged_files(cache, count=5, size=1000)
     env = {**os.environ, compilation_cache.ENV: str(cache)}
     env.pop("JAX_COMPILATION_CACHE_DIR", None)
-    env.pop("JAX_COMPILATION_CACHE_MAX_SIZE", None)
     run = subprocess.run(
-        [sys.executable, "-c", EVICTION, str(limit)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", TRIMMED_START, "2500"], env=env, capture_output=True, text=True
     )
-    assert run.returncode == 0, run.stderr
-    return [set(json.loads(line)) for line in run.stdout.splitlines()]
-
-
-def test_cache_keeps_under_its_size_dropping_the_oldest(tmp_path):
-    unlimited = _compile_twelve(tmp_path / "unlimited", 2**40)
-    assert [len(names) for names in unlimited] == list(range(1, 13))
-    total = sum(f.stat().st_size for f in (tmp_path / "unlimited").glob("*-cache"))
-    limited = _compile_twelve(tmp_path / "limited", total // 3)
-    added = [(new - old).pop() for old, new in zip([set()] + limited[:-1], limited, strict=True)]
-    kept = limited[-1]
-    assert 0 < len(kept) < 12 and added[-1] in kept and added[0] not in kept
-    # What was dropped is the oldest: the kept programs are the last ones compiled.
-    assert kept == set(added[-len(kept) :])
-    assert sum(f.stat().st_size for f in (tmp_path / "limited").glob("*-cache")) <= total // 3
+    assert run.returncode == 0 and run.stderr == "", run.stderr
+    assert [f.exists() for f in files] == [False] * 3 + [True] * 2
+    assert [p.name for p in cache.glob("jit__lambda-*-cache")]  # the new program was cached
 
 
 def test_cache_directory_follows_the_environment(monkeypatch, tmp_path):
