@@ -183,6 +183,25 @@ def test_infer_of_given_inputs_imports_no_tensorflow(model_dir):
     assert _imported(*_infer_args(model_dir)) == []
 
 
+API_SCRIPT = """
+import json, sys
+import t5tpu
+[answer] = t5tpu.load(sys.argv[1]).predict([sys.argv[2]])
+print(json.dumps(sorted(m for m in sys.argv[3].split(",") if m in sys.modules)))
+"""
+
+
+def test_python_load_and_predict_import_no_tensorflow(model_dir):
+    run = subprocess.run(
+        [sys.executable, "-c", API_SCRIPT, model_dir, QUESTIONS[0], ",".join(HEAVY)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0 and run.stderr == "", run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == []
+
+
 def test_convert_to_hf_imports_no_tensorflow(model_dir, tmp_path):
     output = tmp_path / "hf"
     assert _imported("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={output}") == []

@@ -12,9 +12,6 @@ cache as the command line does (t5tpu/compilation_cache.py).
 
 from t5tpu.cli import process_setup
 
-# TensorFlow reads inputs and files; loaded before anything imports it, without its start-up
-# noise, and kept off accelerators, which jax owns.
-process_setup.import_tensorflow_quietly()
 # Compiled programs kept on disk as the command line keeps them, so a notebook's second
 # `load(...).predict` starts without compiling (T5TPU_COMPILATION_CACHE=off turns it off; a
 # cache directory jax already has is left as it is).
