@@ -16,6 +16,7 @@ run any of them side by side, which the step's own dependencies do not allow eit
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ def _layer(config, rows: int, cross: bool) -> list[DenseMatmul]:
     return attention + mlp
 
 
-def forward_dense(config, batch: int, input_length: int, target_length: int) -> list:
+def forward_dense(config, batch: int, input_length: int, target_length: int) -> list[DenseMatmul]:
     """The weight matmuls of one forward pass (train's forward, scoring)."""
     enc_rows, dec_rows = batch * input_length, batch * target_length
     d, inner = config.emb_dim, config.num_heads * config.head_dim
@@ -58,7 +59,7 @@ def forward_dense(config, batch: int, input_length: int, target_length: int) -> 
     return encoder + cross_kv + decoder + [DenseMatmul(dec_rows, d, config.vocab_size)]
 
 
-def decode_step_dense(config, rows: int) -> list:
+def decode_step_dense(config, rows: int) -> list[DenseMatmul]:
     """The weight matmuls of one decoding step of `rows` hypotheses (the cross-attention's keys
     and values are in the cache by then)."""
     decoder = _layer(config, rows, cross=True) * config.num_decoder_layers
@@ -69,8 +70,8 @@ def dense_operands(matmuls: list[DenseMatmul], dtype, backward: bool) -> tuple:
     """(weights, inputs, output gradients) for dense_chain: a weight matrix per matmul, so the
     chain reads as many weight bytes as the workload; inputs and output gradients (`backward`
     only) shared by shape, by (rows, width)."""
-    rng = iter(range(10**9))
-    normal = lambda shape: jax.random.normal(jax.random.PRNGKey(next(rng)), shape, dtype)
+    seeds = itertools.count()
+    normal = lambda shape: jax.random.normal(jax.random.PRNGKey(next(seeds)), shape, dtype)
     weights = [normal((m.fan_in, m.fan_out)) for m in matmuls]
     inputs = {(m.rows, m.fan_in): normal((m.rows, m.fan_in)) for m in matmuls}
     grads = {(m.rows, m.fan_out): normal((m.rows, m.fan_out)) for m in matmuls if backward}
