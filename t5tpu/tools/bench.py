@@ -3,8 +3,9 @@
     t5tpu bench --gin_file=configs/models/t5_1_1/small.gin [--compare_hf] [--json] [--gin.N=V]
 
 This module is the command: its flags and its output. The measuring is bench_workloads' (t5tpu),
-bench_hf's (--compare_hf), bench_limits' (the machine's limits), bench_timing's and
-bench_report's, imported once the flags have been parsed, since they load jax (and torch).
+bench_hf's (--compare_hf), bench_limits' (the machine's limits), bench_kernels' (the workloads'
+own matmuls alone), bench_timing's and bench_report's, imported once the flags have been
+parsed, since they load jax (and torch).
 docs/PERFORMANCE.md records results and how they were taken.
 """
 
@@ -36,8 +37,10 @@ tokens/s, and achieved FLOP/s over the matmul peak. score: forward pass and per-
 log-likelihood, tokens/s, FLOP/s over the peak. greedy, beam: decoding exactly --decode_length \
 new tokens (EOS never stops it), seconds per batch, new tokens/s, and the memory floor of a step \
 (weights and caches read once at the measured bandwidth) over the step's time (the encoder pass, \
-timed alone, left out). pipeline: examples/s the seqio pipeline of a real task delivers at the \
-same lengths, against what the train step consumes.
+timed alone, left out). Beside each of these, dense_matmul_ms: the workload's own weight \
+matmuls timed alone at its shapes, and dense_share, their time over the step's (how much of the \
+step is XLA's matmul kernels). pipeline: examples/s the seqio pipeline of a real task delivers \
+at the same lengths, against what the train step consumes.
 
 --compare_hf runs the same workloads through Hugging Face transformers' PyTorch \
 T5ForConditionalGeneration of the same geometry in the same process, alternating t5tpu and HF \
