@@ -2,8 +2,8 @@
 
 configs/runs/text_to_text.gin binds `text_to_text` to the macros TRAIN_FILES, VALIDATION_FILES,
 TEST_FILES, TEXT_TASK_NAME, INPUT_PREFIX and TEXT_METRICS; data/text_files.py reads the rows.
-Nothing is registered unless some files are bound. The files are read once, when the task is
-registered (after gin is parsed, before anything is compiled), so a malformed row, a missing or
+Nothing is registered unless some files are bound. The files are read when the task is first
+registered (after gin is parsed, before anything is compiled; again only if they change), so a malformed row, a missing or
 binary file ends the run in one line before any work; with `text_to_text.skip_malformed = True`
 malformed rows are left out with one warning saying how many.
 """
@@ -15,6 +15,7 @@ import sys
 from collections.abc import Sequence
 
 import gin
+from etils import epath
 from t5tpu.tasks import metrics
 
 from t5tpu.data import text_files
@@ -74,10 +75,32 @@ def text_to_text(
     )
 
 
+# The rows last read, by (files, their sizes and modification times, fields): a process
+# registers its tasks more than once (infer for the model and again for its data, the Python
+# API at every helper call), and a large file should be read, and its malformed rows reported,
+# once. At most one entry per split is kept.
+_ROWS_READ: dict[tuple, text_files.Rows] = {}
+
+
 def _split_rows(task: TextTask, split: str) -> text_files.Rows:
     setting = SPLIT_SETTINGS[split]
     paths = text_files.matching_files(task.files[split], setting)
-    rows = text_files.read_rows(paths, task.input_field, task.target_field)
+    stats = [epath.Path(path).stat() for path in paths]
+    key = (split, task.input_field, task.target_field, task.skip_malformed) + tuple(
+        (path, stat.length, stat.mtime) for path, stat in zip(paths, stats, strict=True)
+    )
+    if key not in _ROWS_READ:
+        rows = text_files.read_rows(paths, task.input_field, task.target_field)
+        _check_rows(rows, task, setting, paths)
+        for old in [k for k in _ROWS_READ if k[0] == split]:
+            del _ROWS_READ[old]
+        _ROWS_READ[key] = rows
+    return _ROWS_READ[key]
+
+
+def _check_rows(rows: text_files.Rows, task: TextTask, setting: str, paths: list[str]) -> None:
+    """Refuses malformed rows (or warns once, leaving them out, with skip_malformed) and files
+    with no examples."""
     if rows.malformed:
         count = f"{rows.malformed} of {rows.malformed + len(rows.inputs)} rows"
         if not task.skip_malformed:
@@ -91,7 +114,6 @@ def _split_rows(task: TextTask, split: str) -> text_files.Rows:
         )
     if not rows.inputs:
         raise UserError(f"{setting}: no examples in {', '.join(paths)}")
-    return rows
 
 
 def _source(rows_by_split: dict[str, text_files.Rows]) -> seqio.FunctionDataSource:

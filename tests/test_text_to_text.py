@@ -163,6 +163,42 @@ def test_skip_malformed_leaves_them_out_with_one_warning(tmp_path):
     ]
 
 
+def test_registering_again_reads_unchanged_files_once(tmp_path, monkeypatch, capsys):
+    """A process registers its tasks more than once (infer, the Python API's helpers): unchanged
+    files are read, and their malformed rows reported, once; a changed file is read again."""
+    from t5tpu import gin_setup, tasks
+    from t5tpu.lazy_imports import seqio
+
+    train = _write(tmp_path / "train.tsv", "a b\ta\nbroken row\n")
+    validation = _write(tmp_path / "validation.jsonl", '{"input": "c d", "target": "c"}\n')
+    gin_setup.parse(
+        [EXPERIMENT],
+        [
+            f"TRAIN_FILES = '{train}'",
+            f"VALIDATION_FILES = '{validation}'",
+            "text_to_text.skip_malformed = True",
+        ],
+        [],
+    )
+    reads = []
+    read_rows = text_files.read_rows
+    monkeypatch.setattr(
+        text_files, "read_rows", lambda paths, *a: reads.append(paths) or read_rows(paths, *a)
+    )
+    for _ in range(3):
+        tasks.register_builtin_tasks()
+    assert reads == [[train], [validation]]
+    warnings = capsys.readouterr().err.splitlines()
+    assert warnings == [
+        f"t5tpu: warning: TRAIN_FILES: left out 1 of 2 rows (first line 2 of {train}: 1 "
+        "columns, expected input<TAB>target)"
+    ]
+    _write(tmp_path / "train.tsv", "a b\ta\ne f\te\n")  # edited: now two good rows
+    tasks.register_builtin_tasks()
+    assert reads == [[train], [validation], [train]]
+    assert seqio.get_mixture_or_task("text_to_text").num_input_examples("train") == 2
+
+
 def test_an_unknown_metric_is_one_line(tmp_path):
     run = t5tpu(
         "train", f"--gin_file={EXPERIMENT}", "--gin.TEXT_METRICS=['meteor']", model_dir=tmp_path
