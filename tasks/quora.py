@@ -23,7 +23,7 @@ import numpy as np
 from t5tpu.tasks import metrics
 
 from t5tpu import package_files
-from t5tpu.data import quora_csv
+from t5tpu.data import quora_csv, registry
 from t5tpu.errors import UserError
 from t5tpu.lazy_imports import seqio, tf
 
@@ -223,23 +223,11 @@ _FORMATTING = {
 def _add_task(name: str, source, first_steps: list, vocabulary: seqio.Vocabulary) -> seqio.Task:
     """(Re-)registers one task: source -> first_steps -> normalize -> format -> tokenize."""
     kind = name.removesuffix(TFDS_SUFFIX)
-    features = {
-        "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-        "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-    }
-    seqio.TaskRegistry.remove(name)
-    return seqio.TaskRegistry.add(
+    return registry.add_text_task(
         name,
         source=source,
-        output_features=features,
-        preprocessors=[
-            *first_steps,
-            normalize_questions,
-            *_FORMATTING[kind],
-            seqio.preprocessors.tokenize,
-            seqio.CacheDatasetPlaceholder(),
-            seqio.preprocessors.append_eos_after_trim,
-        ],
+        vocabulary=vocabulary,
+        preprocessors=[*first_steps, normalize_questions, *_FORMATTING[kind]],
         postprocess_fn=strip_output,
         metric_fns=_METRICS[kind],
     )

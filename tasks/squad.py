@@ -44,6 +44,7 @@ import json
 import gin
 from t5tpu.tasks import squad_metrics
 
+from t5tpu.data import registry
 from t5tpu.errors import UserError
 from t5tpu.lazy_imports import seqio, tf
 
@@ -227,21 +228,11 @@ def _gold_answers(example: dict | None) -> list[str]:
 
 
 def _add_task(name, source, vocabulary, postprocess_fn, metric_fn) -> seqio.Task:
-    features = {
-        "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-        "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-    }
-    seqio.TaskRegistry.remove(name)
-    return seqio.TaskRegistry.add(
+    return registry.add_text_task(
         name,
         source=source,
-        output_features=features,
-        preprocessors=[
-            format_question_context,
-            seqio.preprocessors.tokenize,
-            seqio.CacheDatasetPlaceholder(),
-            seqio.preprocessors.append_eos_after_trim,
-        ],
+        vocabulary=vocabulary,
+        preprocessors=[format_question_context],
         postprocess_fn=postprocess_fn,
         metric_fns=[metric_fn],
     )

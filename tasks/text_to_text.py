@@ -3,9 +3,10 @@
 configs/runs/text_to_text.gin binds `text_to_text` to the macros TRAIN_FILES, VALIDATION_FILES,
 TEST_FILES, TEXT_TASK_NAME, INPUT_PREFIX and TEXT_METRICS; data/text_files.py reads the rows.
 Nothing is registered unless some files are bound. The files are read when the task is first
-registered (after gin is parsed, before anything is compiled; again only if they change), so a malformed row, a missing or
-binary file ends the run in one line before any work; with `text_to_text.skip_malformed = True`
-malformed rows are left out with one warning saying how many.
+registered (after gin is parsed, before anything is compiled; again only if they change), so a
+malformed row, a missing or binary file ends the run in one line before any work; with
+`text_to_text.skip_malformed = True` malformed rows are left out with one warning saying how
+many.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import gin
 from etils import epath
 from t5tpu.tasks import metrics
 
-from t5tpu.data import text_files
+from t5tpu.data import registry, text_files
 from t5tpu.errors import UserError
 from t5tpu.lazy_imports import seqio, tf
 
@@ -147,21 +148,11 @@ def register(vocabulary: seqio.Vocabulary) -> list[str]:
     if task is None:
         return []
     rows = {split: _split_rows(task, split) for split in task.files}
-    features = {
-        "inputs": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-        "targets": seqio.Feature(vocabulary=vocabulary, add_eos=True),
-    }
-    seqio.TaskRegistry.remove(task.name)
-    seqio.TaskRegistry.add(
+    registry.add_text_task(
         task.name,
         source=_source(rows),
-        output_features=features,
-        preprocessors=[
-            _prefixed(task.input_prefix),
-            seqio.preprocessors.tokenize,
-            seqio.CacheDatasetPlaceholder(),
-            seqio.preprocessors.append_eos_after_trim,
-        ],
+        vocabulary=vocabulary,
+        preprocessors=[_prefixed(task.input_prefix)],
         postprocess_fn=strip_output,
         metric_fns=[METRICS[name] for name in task.metric_names],
     )

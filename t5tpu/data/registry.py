@@ -11,6 +11,31 @@ from t5tpu.errors import UserError
 from t5tpu.lazy_imports import seqio
 
 
+def add_text_task(
+    name: str, *, source, vocabulary, preprocessors: list, postprocess_fn, metric_fns: list
+) -> seqio.Task:
+    """(Re-)registers a text-to-text task: `source`, its own `preprocessors` (which make the
+    "inputs" and "targets" strings), then tokenizing with `vocabulary`, seqio's cache point and
+    EOS after trimming, as every built-in task does."""
+    features = {
+        key: seqio.Feature(vocabulary=vocabulary, add_eos=True) for key in ("inputs", "targets")
+    }
+    seqio.TaskRegistry.remove(name)
+    return seqio.TaskRegistry.add(
+        name,
+        source=source,
+        output_features=features,
+        preprocessors=[
+            *preprocessors,
+            seqio.preprocessors.tokenize,
+            seqio.CacheDatasetPlaceholder(),
+            seqio.preprocessors.append_eos_after_trim,
+        ],
+        postprocess_fn=postprocess_fn,
+        metric_fns=metric_fns,
+    )
+
+
 def import_task_module(module: str) -> None:
     """Imports a user module that registers seqio tasks: a dotted module name or a .py path."""
     if module.endswith(".py"):
