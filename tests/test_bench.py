@@ -4,11 +4,13 @@ analytic FLOPs and decoding bytes agree with XLA's count and a hand count. No ti
 the benchmark measures speed, the tests check that what it measures is the right thing."""
 
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_runs import succeeded, t5tpu
 
 from t5tpu.tools import (
     bench,
@@ -106,6 +108,26 @@ def test_without_json_every_result_and_a_table(capfd, tmp_path):
     results = [json.loads(line) for line in lines if line.startswith("{")]
     assert [json.loads(line) for line in output.read_text().splitlines()] == results
     assert "of limit" in lines[len(results)] and lines[-1].startswith("limit_gemv_bandwidth_end")
+
+
+def test_train_on_two_devices_is_set_against_one_devices_share(tmp_path):
+    """The step runs data-parallel on 2 (fake CPU) devices while the peak and the dense matmuls
+    are probed on one: the fraction counts half the FLOPs, the dense chain half the rows."""
+    output = tmp_path / "bench.jsonl"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    flags = [f"--gin_file={TINY}", *SHAPE, *QUICK, "--workloads=train", f"--output={output}"]
+    succeeded(t5tpu("bench", *flags, env=env))
+    train = by_workload([json.loads(line) for line in output.read_text().splitlines()])["train"]
+    assert train["devices"] == 2
+    per_device = train["flops_per_step"] / 2 / train["seconds_per_step"]
+    assert train["fraction_of_limit"] == pytest.approx(per_device / train["limit_probes"][0])
+    config = bench_workloads.build_model(bench.parse_args([f"--gin_file={TINY}"])).config
+    one_row = sum(m.flops for m in bench_kernels.forward_dense(config, 1, 16, 8))
+    dense_flops = train["dense_matmul_flops_per_s"] * train["dense_matmul_ms"] / 1e3
+    assert dense_flops == pytest.approx(3 * one_row)  # 1 of the batch's 2 rows, with gradients
+    odd = t5tpu("bench", *flags, "--batch_size=3", env=env)
+    assert odd.returncode == 2
+    assert "--batch_size=3 must be a positive multiple of the 2 data-parallel devices" in odd.stderr
 
 
 def test_limit_probes_are_positive_and_robust():

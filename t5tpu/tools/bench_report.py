@@ -33,7 +33,8 @@ def decode_result(seconds: float, batch: int, args, num_beams: int) -> dict:
 
 
 def peak_fraction(flops: float, seconds: float, peak) -> dict:
-    """Train and scoring against the matmul peak (a bench_limits.Limit): achieved FLOP/s / peak."""
+    """Train and scoring against the matmul peak (a bench_limits.Limit, one device's): achieved
+    FLOP/s / peak, `flops` being one device's share of the step's."""
     achieved = flops / seconds
     return {
         "achieved_flops_per_s": achieved,

@@ -125,6 +125,7 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
 
     optimizer = optim.adamw(1e-4) if args.optimizer == "adamw" else optim.adafactor(1e-3)
     partitioner = Partitioner()
+    partitioner.check_batch_size("--batch_size", args.batch_size)  # before any compile
     lengths = (args.input_length, args.target_length)
     _, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
     state = jax.jit(
@@ -135,8 +136,12 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
     seed = jax.random.PRNGKey(1)
     compiled, compile_s, cost = compile_seconds(step, state, batch, seed)
     flops = 3.0 * forward_flops(model.config, args.batch_size, *lengths)
+    # The step runs on every device (data-parallel unless gin binds model partitions); the peak
+    # and the dense matmuls are probed on one, so both are set against one device's share: its
+    # FLOPs, and the matmuls of its rows of the batch.
+    devices = partitioner.mesh.size
     dense = dense_probe(
-        forward_dense(model.config, args.batch_size, *lengths),
+        forward_dense(model.config, args.batch_size // partitioner.data_parallelism, *lengths),
         model.config.activation_dtype,
         backward=True,
     )
@@ -147,11 +152,12 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
         return state, metrics
 
     def report(seconds: float, limits: dict) -> dict:
-        against_peak = peak_fraction(flops, seconds, limits["matmul_peak"])
+        against_peak = peak_fraction(flops / devices, seconds, limits["matmul_peak"])
         return {
             **throughput(seconds, args.batch_size, sum(lengths)),
             "compile_seconds": compile_s,
             "flops_per_step": flops,
+            "devices": devices,
             **against_peak,
             "mfu": against_peak["fraction_of_limit"],  # the name earlier results used
             **dense_share(seconds, dense.work, limits["dense_matmuls"]),
