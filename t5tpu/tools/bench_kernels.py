@@ -102,9 +102,11 @@ def dense_chain(matmuls: list[DenseMatmul], backward: bool):
 
 
 def dense_probe(matmuls: list[DenseMatmul], dtype, backward: bool = False) -> Probe:
-    """A Probe (rate in FLOP/s) that runs dense_chain once."""
-    chain = dense_chain(matmuls, backward)
+    """A Probe (rate in FLOP/s) that runs dense_chain once, compiled and run once here so that
+    no probe times the compile or a first call's set-up, with or without --warmup."""
     operands = dense_operands(matmuls, dtype, backward)
+    chain = dense_chain(matmuls, backward).lower(*operands).compile()
+    jax.block_until_ready(chain(*operands))
     flops = sum(m.flops for m in matmuls) * (3 if backward else 1)
     shape = f"{len(matmuls)} dense matmuls{' and their gradients' if backward else ''}"
     return Probe("dense_matmuls", "FLOP/s", shape, lambda: chain(*operands), flops)
