@@ -130,6 +130,13 @@ def test_train_on_two_devices_is_set_against_one_devices_share(tmp_path):
     assert "--batch_size=3 must be a positive multiple of the 2 data-parallel devices" in odd.stderr
 
 
+def test_a_missing_gin_file_fails_before_anything_is_written(capfd, tmp_path):
+    output = tmp_path / "bench.jsonl"
+    with pytest.raises(bench.UserError, match="gin file not found: nope.gin"):
+        bench.main(["--gin_file=nope.gin", f"--output={output}"])
+    assert not output.exists() and capfd.readouterr().out == ""
+
+
 def test_limit_probes_are_positive_and_robust():
     kinds = bench_limits.make_probes(jnp.float32, matmul_size=64, memory_bytes=2**20)
     limits = bench_limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")
@@ -229,7 +236,8 @@ def test_forward_flops_match_xla_count():
     "flags, message",
     [
         (["--workloads=train,fly"], "unknown workload(s) fly"),
-        (["--batch_size=0"], "must be positive"),
+        (["--batch_size=0"], "--batch_size, --decode_batch_size, --input_length, --target"),
+        (["--decode_batch_size=0"], "--decode_length must be >= 1"),
         (["--num_beams=0"], "--num_beams must be >= 1"),
         (["--limit_best=0"], "--limit_probes, --limit_best, --stream_mb and --matmul_size must"),
         (["--steps=x"], "argument --steps: invalid int value: 'x'; see t5tpu bench --help"),

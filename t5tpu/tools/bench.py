@@ -105,9 +105,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     unknown = sorted(set(args.workloads) - set(WORKLOADS))
     if unknown:
         raise UserError(f"unknown workload(s) {', '.join(unknown)}; use {','.join(WORKLOADS)}")
-    args.decode_batch_size = args.decode_batch_size or args.batch_size
-    if min(args.batch_size, args.input_length, args.target_length, args.decode_length) < 1:
-        raise UserError("batch size and lengths must be positive")
+    if args.decode_batch_size is None:
+        args.decode_batch_size = args.batch_size
+    sizes = (args.batch_size, args.decode_batch_size, args.input_length, args.target_length)
+    if min(*sizes, args.decode_length) < 1:
+        raise UserError(
+            "--batch_size, --decode_batch_size, --input_length, --target_length and "
+            "--decode_length must be >= 1"
+        )
     if args.steps < 1 or args.warmup < 0 or args.num_beams < 1:
         raise UserError("--steps and --num_beams must be >= 1 and --warmup >= 0")
     if min(args.limit_probes, args.limit_best, args.stream_mb or 1, args.matmul_size or 1) < 1:
@@ -124,6 +129,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from t5tpu.tools import bench_report, bench_workloads
 
+    model = bench_workloads.build_model(args)  # gin files parsed before anything is written
     output = open(args.output, "a") if args.output else None  # noqa: SIM115
 
     def emit(result: dict) -> None:
@@ -136,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         emit(bench_report.machine_info() | {"args": vars(args)})
-        results = bench_workloads.run_workloads(args, emit)
+        results = bench_workloads.run_workloads(args, emit, model)
         emit({"workload": "machine_end", "load_average_1m": os.getloadavg()[0]})
     finally:
         if output:

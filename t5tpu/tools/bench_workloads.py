@@ -302,7 +302,7 @@ def make_limit_probes(args, config) -> dict:
     return make_probes(config.activation_dtype, size, stream_mb * 2**20)
 
 
-def run_workloads(args, emit: Callable[[dict], None]) -> list[dict]:
+def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
     """Measures every workload of `args` (each beside HF's with --compare_hf, alternating, so
     load changes hit both alike), between probes of the machine's limits, then the ratios; every
     result goes to `emit` as it comes."""
@@ -312,7 +312,6 @@ def run_workloads(args, emit: Callable[[dict], None]) -> list[dict]:
         results.append(result)
         emit(result)
 
-    model = build_model(args)
     rng = np.random.default_rng(args.seed)
     vocab = model.config.vocab_size
     batch = random_batch(rng, args.batch_size, args.input_length, args.target_length, vocab)
