@@ -180,3 +180,6 @@ def test_a_named_step_and_bad_calls(model_dir, model):
         model.predict("is duplicate: a <SEP> b")
     with pytest.raises(UserError, match="2 inputs but 1 targets"):
         model.score(["a", "b"], ["c"])
+    for bad in (0, -3, 2.5, True):  # 0 used to mean the default, silently
+        with pytest.raises(UserError, match=f"max_length={bad!r} must be"):
+            model.predict(["is duplicate: a <SEP> b"], max_length=bad)

@@ -125,7 +125,12 @@ class T5Model:
         as a tokenizer writes them. num_beams > 1 is beam search (length penalty 0.6);
         temperature > 0 samples (from the top_k most likely tokens when top_k > 0), seeded.
         """
-        max_new_tokens = max_new_tokens or self.shapes.max_target_length
+        if max_new_tokens is None:
+            max_new_tokens = self.shapes.max_target_length
+        elif isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
+            raise UserError(f"max_length={max_new_tokens!r} must be a whole number >= 1")
+        elif max_new_tokens < 1:
+            raise UserError(f"max_length={max_new_tokens} must be >= 1 (None: the default)")
         settings = decoding.DecodingSettings(
             temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
         )
