@@ -38,9 +38,10 @@ def finetune(
     bindings: any other gin binding as text, e.g. "train.relative_steps = True".
     Bad settings raise t5tpu.errors.UserError with the message the CLI would print.
     """
-    from t5tpu import gin_setup  # after TensorFlow, imported quietly
-
+    # Training reads its data through TensorFlow: imported first, quietly, so that nothing
+    # imported after it loads it with its start-up noise.
     process_setup.import_tensorflow_quietly()
+    from t5tpu import gin_setup
     from t5tpu.runners import train
 
     all_bindings = [
