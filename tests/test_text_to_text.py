@@ -56,8 +56,17 @@ def test_binary_unknown_and_missing_files_are_refused(tmp_path):
         text_files.read_rows([str(binary)])
     with pytest.raises(UserError, match="unknown format"):
         text_files.read_rows([_write(tmp_path / "data.csv", "a,b\n")])
-    with pytest.raises(UserError, match="TRAIN_FILES: no file matches"):
+    with pytest.raises(UserError, match="TRAIN_FILES: no file matches [^ ]*train-\\*\\.tsv; give"):
         text_files.matching_files(str(tmp_path / "train-*.tsv"), "TRAIN_FILES")
+
+
+def test_a_missing_relative_file_is_reported_with_the_directory_it_was_looked_in(
+    tmp_path, monkeypatch
+):
+    monkeypatch.chdir(tmp_path)
+    expected = f"no file matches examples/t.tsv \\(relative to the current directory, {tmp_path}\\)"
+    with pytest.raises(UserError, match=expected):
+        text_files.matching_files("examples/t.tsv", "TRAIN_FILES")
 
 
 def test_patterns_and_comma_lists_expand_in_order(tmp_path):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from collections.abc import Iterator, Sequence
 
 from etils import epath
@@ -39,9 +40,19 @@ def matching_files(patterns: str | Sequence[str], setting: str) -> list[str]:
     for pattern in patterns:
         found = _glob(pattern)
         if not found:
-            raise UserError(f"{setting}: no file matches {pattern}; give existing TSV/JSONL files")
+            raise UserError(
+                f"{setting}: no file matches {_shown(pattern)}; give existing TSV/JSONL files"
+            )
         files.extend(found)
     return files
+
+
+def _shown(pattern: str) -> str:
+    """The pattern, and for a relative one where it was looked for: the bundled experiments name
+    repository files (examples/...) that exist only from the checkout's root."""
+    if "://" in pattern or os.path.isabs(pattern):
+        return pattern
+    return f"{pattern} (relative to the current directory, {os.getcwd()})"
 
 
 def _glob(pattern: str) -> list[str]:
