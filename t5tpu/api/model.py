@@ -40,8 +40,7 @@ class Shapes:
             ("max_input_length", max_input_length),
             ("max_target_length", max_target_length),
         ):
-            if not isinstance(value, int) or value < 1:
-                raise UserError(f"{name}={value!r} must be a whole number >= 1")
+            _check_count(name, value)
         # Each device takes an equal share of the rows.
         rows = -(-batch_size // data_parallelism) * data_parallelism
         return cls(rows, max_input_length, max_target_length)
@@ -50,6 +49,12 @@ class Shapes:
         """The padded length for `length` tokens: the next power of two, within the limit."""
         padded = max(_SHORTEST_BUCKET, 1 << max(length - 1, 0).bit_length())
         return min(padded, limit)
+
+
+def _check_count(name: str, value) -> None:
+    """Refuses anything but a whole number >= 1 (True is an int to Python, not a count)."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise UserError(f"{name}={value!r} must be a whole number >= 1")
 
 
 def _padded(rows: list[list[int]], length: int, batch_size: int) -> np.ndarray:
@@ -127,10 +132,7 @@ class T5Model:
         """
         if max_new_tokens is None:
             max_new_tokens = self.shapes.max_target_length
-        elif isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int):
-            raise UserError(f"max_length={max_new_tokens!r} must be a whole number >= 1")
-        elif max_new_tokens < 1:
-            raise UserError(f"max_length={max_new_tokens} must be >= 1 (None: the default)")
+        _check_count("max_length", max_new_tokens)
         settings = decoding.DecodingSettings(
             temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
         )

@@ -107,8 +107,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise UserError(f"unknown workload(s) {', '.join(unknown)}; use {','.join(WORKLOADS)}")
     if args.decode_batch_size is None:
         args.decode_batch_size = args.batch_size
-    sizes = (args.batch_size, args.decode_batch_size, args.input_length, args.target_length)
-    if min(*sizes, args.decode_length) < 1:
+    lengths = (args.input_length, args.target_length, args.decode_length)
+    if min(args.batch_size, args.decode_batch_size, *lengths) < 1:
         raise UserError(
             "--batch_size, --decode_batch_size, --input_length, --target_length and "
             "--decode_length must be >= 1"
