@@ -7,7 +7,7 @@ parsed, so every task is built with the vocabulary that the run's gin files bind
 import importlib
 
 from t5tpu.data import vocab
-from t5tpu.lazy_imports import seqio
+from t5tpu.runtime.lazy_imports import seqio
 
 # Each module here exposes register(vocabulary) returning what it registered: one seqio Task or
 # Mixture, or a list of them or of their names.

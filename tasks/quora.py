@@ -20,12 +20,12 @@ import os
 
 import gin
 import numpy as np
-from t5tpu.tasks import metrics
+from t5tpu.tasks import metrics, registry
 
 from t5tpu import package_files
-from t5tpu.data import quora_csv, registry
+from t5tpu.data import quora_csv
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio, tf
+from t5tpu.runtime.lazy_imports import seqio, tf
 
 TASK_NAME = "qp_is_duplicate"
 SIMILAR_TASK_NAME = "generate_similar_question"

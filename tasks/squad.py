@@ -42,11 +42,10 @@ import functools
 import json
 
 import gin
-from t5tpu.tasks import squad_metrics
+from t5tpu.tasks import registry, squad_metrics
 
-from t5tpu.data import registry
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio, tf
+from t5tpu.runtime.lazy_imports import seqio, tf
 
 V1_TASK = "squad_v1"
 V2_TASK = "squad_v2"

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 import gin
 from etils import epath
-from t5tpu.tasks import metrics
+from t5tpu.tasks import metrics, registry
 
-from t5tpu.data import registry, text_files
+from t5tpu.data import text_files
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio, tf
+from t5tpu.runtime.lazy_imports import seqio, tf
 
 METRICS = {
     "accuracy": metrics.accuracy,

@@ -12,15 +12,8 @@ import numpy as np
 import pytest
 from cli_runs import succeeded, t5tpu
 
-from t5tpu.tools import (
-    bench,
-    bench_hf,
-    bench_kernels,
-    bench_limits,
-    bench_names,
-    bench_timing,
-    bench_workloads,
-)
+from t5tpu.bench import hf, kernels, limits, names, timing, workloads
+from t5tpu.cli import bench
 
 TINY = "configs/models/t5_1_1/tiny.gin"
 SHAPE = ["--batch_size=2", "--input_length=16", "--target_length=8", "--decode_length=6"]
@@ -34,7 +27,7 @@ def run_bench(capfd, *flags):
     return capfd.readouterr().out.splitlines()
 
 
-def by_workload(results, impl=bench_names.OURS):
+def by_workload(results, impl=names.OURS):
     return {r["workload"]: r for r in results if r.get("impl", impl) == impl}
 
 
@@ -44,7 +37,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
     summary = [json.loads(line) for line in run_bench(capfd, *flags)]
     results = [json.loads(line) for line in output.read_text().splitlines()]
 
-    ours, hf = by_workload(results), by_workload(results, bench_names.HF)
+    ours, hf = by_workload(results), by_workload(results, names.HF)
     assert ours["machine"]["backend"] == jax.default_backend()
     for workload in ("train", "score"):
         for impl in (ours, hf):
@@ -66,7 +59,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
         assert ours[workload]["prefill_seconds"] > 0
     assert ours["pipeline"]["task"] == "qp_is_duplicate" and ours["pipeline"]["examples_per_s"] > 0
 
-    both = f"{bench_names.OURS}/{bench_names.HF}"
+    both = f"{names.OURS}/{names.HF}"
     ratios = {r["workload"]: r for r in results if r.get("impl") == both}
     assert set(ratios) == {"train", "score", "greedy", "beam"}
     assert ratios["greedy"]["ratio"] == pytest.approx(
@@ -80,7 +73,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
 
 def check_summary(summary, ours):
     """--json's stdout: one line per workload, t5tpu's figures with HF's beside them."""
-    assert [line["workload"] for line in summary] == list(bench_names.WORKLOADS)
+    assert [line["workload"] for line in summary] == list(names.WORKLOADS)
     for line in summary:
         assert line["tokens_per_s"] > 0 and line["step_ms"] > 0 and line["limit"]
     lines = {line["workload"]: line for line in summary}
@@ -121,8 +114,8 @@ def test_train_on_two_devices_is_set_against_one_devices_share(tmp_path):
     assert train["devices"] == 2
     per_device = train["flops_per_step"] / 2 / train["seconds_per_step"]
     assert train["fraction_of_limit"] == pytest.approx(per_device / train["limit_probes"][0])
-    config = bench_workloads.build_model(bench.parse_args([f"--gin_file={TINY}"])).config
-    one_row = sum(m.flops for m in bench_kernels.forward_dense(config, 1, 16, 8))
+    config = workloads.build_model(bench.parse_args([f"--gin_file={TINY}"])).config
+    one_row = sum(m.flops for m in kernels.forward_dense(config, 1, 16, 8))
     dense_flops = train["dense_matmul_flops_per_s"] * train["dense_matmul_ms"] / 1e3
     assert dense_flops == pytest.approx(3 * one_row)  # 1 of the batch's 2 rows, with gradients
     odd = t5tpu("bench", *flags, "--batch_size=3", env=env)
@@ -138,23 +131,23 @@ def test_a_missing_gin_file_fails_before_anything_is_written(capfd, tmp_path):
 
 
 def test_limit_probes_are_positive_and_robust():
-    kinds = bench_limits.make_probes(jnp.float32, matmul_size=64, memory_bytes=2**20)
-    limits = bench_limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")
-    assert set(limits) == {"matmul_peak", "stream_bandwidth", "gemv_bandwidth"}
-    for limit in limits.values():
+    kinds = limits.make_probes(jnp.float32, matmul_size=64, memory_bytes=2**20)
+    found = limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")
+    assert set(found) == {"matmul_peak", "stream_bandwidth", "gemv_bandwidth"}
+    for limit in found.values():
         assert len(limit.probes) == 5 and min(limit.probes) > 0
         assert min(limit.probes) <= limit.value <= max(limit.probes)
         assert limit.value == sorted(limit.probes)[-2]  # the median of the best 3 of 5
-    assert bench_limits.robust([1.0, 5.0, 3.0, 9.0, 7.0, 2.0], best_k=4) == 5.0 + 1.0
-    assert bench_limits.robust([4.0], best_k=3) == 4.0
+    assert limits.robust([1.0, 5.0, 3.0, 9.0, 7.0, 2.0], best_k=4) == 5.0 + 1.0
+    assert limits.robust([4.0], best_k=3) == 4.0
 
 
 def test_decode_floor_bytes_by_hand():
     """Tiny geometry: emb 128, 4 heads x 32 (inner 128), gated mlp 256, 2 decoder layers, vocab
     1024, 32 relative-position buckets; batch 2, 4 beams, 16 input and 6 new tokens."""
     args = bench.parse_args([f"--gin_file={TINY}"])
-    model = bench_workloads.build_model(args)
-    parts = bench_limits.decode_step_bytes(model.config, 2, 16, 6, beams=4)
+    model = workloads.build_model(args)
+    parts = limits.decode_step_bytes(model.config, 2, 16, 6, beams=4)
     # Self-attention q/k/v/out, cross-attention q/out, wi_0/wi_1/wo, three norm scales.
     layer = 4 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 256 + 3 * 128
     assert parts == {
@@ -170,7 +163,7 @@ def test_decode_floor_bytes_by_hand():
         cross_kv = "encoder_decoder_attention" in name and ("'key'" in name or "'value'" in name)
         return not cross_kv and "logits_dense" not in name
 
-    decoder = bench_workloads._random_params(model, args)["decoder"]
+    decoder = workloads._random_params(model, args)["decoder"]
     leaves = jax.tree_util.tree_leaves_with_path(decoder)
     assert 4 * sum(np.size(x) for p, x in leaves if read_each_step(p)) == parts["decoder_weights"]
 
@@ -180,7 +173,7 @@ def test_dense_matmuls_are_the_weight_matmuls():
     own matmuls) and XLA compiles all of them (its FLOP count of the chain, which adds only the
     carried scalar's adds)."""
     args = bench.parse_args([f"--gin_file={TINY}"])
-    config = bench_workloads.build_model(args).config
+    config = workloads.build_model(args).config
     inner, batch, inputs, targets, layers = 128, 2, 16, 8, 2
     attention = (
         2
@@ -188,19 +181,19 @@ def test_dense_matmuls_are_the_weight_matmuls():
         * layers
         * (inputs * 2 * inputs * inner + targets * (2 * targets * inner + 2 * inputs * inner))
     )
-    forward = bench_kernels.forward_dense(config, batch, inputs, targets)
+    forward = kernels.forward_dense(config, batch, inputs, targets)
     assert sum(m.flops for m in forward) == pytest.approx(
-        bench_workloads.forward_flops(config, batch, inputs, targets) - attention
+        workloads.forward_flops(config, batch, inputs, targets) - attention
     )
-    step = bench_kernels.decode_step_dense(config, rows=8)
+    step = kernels.decode_step_dense(config, rows=8)
     step_attention = 2 * 8 * layers * (2 * inputs * inner + 2 * inner * (6 + 1) / 2)
     assert sum(m.flops for m in step) == pytest.approx(
-        bench_workloads.decode_step_flops(config, 8, inputs, 6) - step_attention
+        workloads.decode_step_flops(config, 8, inputs, 6) - step_attention
     )
     for matmuls, backward in ((forward, True), (step, False)):
-        probe = bench_kernels.dense_probe(matmuls, jnp.float32, backward)
-        operands = bench_kernels.dense_operands(matmuls, jnp.float32, backward)
-        compiled = bench_kernels.dense_chain(matmuls, backward).lower(*operands).compile()
+        probe = kernels.dense_probe(matmuls, jnp.float32, backward)
+        operands = kernels.dense_operands(matmuls, jnp.float32, backward)
+        compiled = kernels.dense_chain(matmuls, backward).lower(*operands).compile()
         cost = compiled.cost_analysis()
         cost = cost[0] if isinstance(cost, list) else cost
         assert cost["flops"] == pytest.approx(probe.work, rel=0.01)
@@ -209,9 +202,9 @@ def test_dense_matmuls_are_the_weight_matmuls():
 
 def test_hf_reference_has_our_geometry():
     args = bench.parse_args([f"--gin_file={TINY}"])
-    model = bench_workloads.build_model(args)
-    ours = sum(np.size(p) for p in jax.tree.leaves(bench_workloads._random_params(model, args)))
-    theirs = sum(p.numel() for p in bench_hf.hf_model(model.config, "float32").parameters())
+    model = workloads.build_model(args)
+    ours = sum(np.size(p) for p in jax.tree.leaves(workloads._random_params(model, args)))
+    theirs = sum(p.numel() for p in hf.hf_model(model.config, "float32").parameters())
     assert theirs == ours == 1_050_368
 
 
@@ -221,14 +214,12 @@ def test_forward_flops_match_xla_count():
     args = bench.parse_args(
         [f"--gin_file={TINY}", "--batch_size=4", "--input_length=64", "--target_length=32"]
     )
-    model = bench_workloads.build_model(args)
-    batch = bench_workloads.random_batch(
-        np.random.default_rng(0), 4, 64, 32, model.config.vocab_size
-    )
+    model = workloads.build_model(args)
+    batch = workloads.random_batch(np.random.default_rng(0), 4, 64, 32, model.config.vocab_size)
     features = {k: jnp.asarray(v) for k, v in batch.items()}
-    params = bench_workloads._random_params(model, args)
-    _, _, cost = bench_timing.compile_seconds(jax.jit(model.score), params, features)
-    analytic = bench_workloads.forward_flops(model.config, 4, 64, 32)
+    params = workloads._random_params(model, args)
+    _, _, cost = timing.compile_seconds(jax.jit(model.score), params, features)
+    analytic = workloads.forward_flops(model.config, 4, 64, 32)
     assert analytic == pytest.approx(cost["flops"], rel=0.05)  # measured: 0.98
 
 

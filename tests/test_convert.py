@@ -19,13 +19,13 @@ from flax import traverse_util
 from test_t5x_format import STEP as T5X_STEP
 from test_t5x_format import expected_values, write_t5x_checkpoint
 
+from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import convert, hf_format, param_mapping
+from t5tpu.formats import conversion, hf_format, param_mapping
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
-from t5tpu.tools import convert as convert_command
 
 # Tiny T5 1.1 whose vocabulary is the bundled 1,024-piece model, so the Quora experiment runs.
 CONFIG = T5Config(
@@ -86,7 +86,7 @@ def test_hf_import_writes_a_checkpoint_and_model_gin(hf_dir, converted):
     _, params = hf_dir
     assert sorted(os.listdir(converted)) == ["checkpoint_0", "model.gin", "spiece.model"]
     _assert_same(_restore(converted, 0, CONFIG), params)
-    _assert_same(convert.load_pretrained(f"{converted}/checkpoint_0", params), params)
+    _assert_same(conversion.load_pretrained(f"{converted}/checkpoint_0", params), params)
     text = pathlib.Path(converted, "model.gin").read_text()
     for line in (
         "T5Config.vocab_size = 1024",
@@ -201,6 +201,6 @@ def test_t5x_checkpoint_converts_with_its_step(tmp_path):
 def test_model_from_gin_without_shapes_reads_the_gin_files_alone():
     """t5tpu.load of a T5X or Mesh TF checkpoint with gin files passes no shapes: the names and
     shapes are checked when the parameters are read."""
-    config, vocabulary = convert.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    config, vocabulary = conversion.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
     assert (config.emb_dim, config.num_encoder_layers, config.vocab_size) == (128, 2, 1024)
     assert vocabulary.vocab_size == 1024

@@ -154,7 +154,7 @@ def test_examples_name_files_that_exist(command):
 
 
 def test_convert_flags_name_every_importer():
-    from t5tpu.formats import convert as formats_convert
-    from t5tpu.tools import convert as convert_command
+    from t5tpu.cli import convert as convert_command
+    from t5tpu.formats import conversion
 
-    assert (*formats_convert.IMPORTERS, "t5tpu") == convert_command.SOURCES
+    assert (*conversion.IMPORTERS, "t5tpu") == convert_command.SOURCES

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """
 import resource, sys, threading
 import numpy as np
-from t5tpu.cli import host_memory
+from t5tpu.runtime import host_memory
 
 if sys.argv[1] == "keep":
     assert host_memory.keep_freed_memory()

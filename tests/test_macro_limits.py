@@ -6,7 +6,7 @@ from __future__ import annotations
 import gin
 import pytest
 
-from t5tpu import macro_limits
+from t5tpu.config import macro_limits
 from t5tpu.errors import UserError
 
 BAD = {

@@ -14,7 +14,7 @@ from flax import traverse_util
 from test_t5x_format import CONFIGS, random_params, t5x_layout
 
 from t5tpu.errors import UserError
-from t5tpu.formats import convert, mesh_tf_format, param_mapping
+from t5tpu.formats import conversion, mesh_tf_format, param_mapping
 from t5tpu.model.network import T5Config
 
 STEP = 1_000_000
@@ -121,8 +121,8 @@ def test_the_reader_sees_the_t5_library_names(checkpoint):
 def test_imports_every_parameter_exactly(checkpoint, given):
     config, params, directory, prefix = checkpoint
     path = directory if given == "directory" else prefix
-    assert convert.detect_format(path) == "mesh_tf"
-    imported = convert.load_pretrained(path, param_mapping.abstract_params(config))
+    assert conversion.detect_format(path) == "mesh_tf"
+    imported = conversion.load_pretrained(path, param_mapping.abstract_params(config))
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = _expected(params)
     assert sorted(flat) == sorted(expected)
@@ -135,7 +135,7 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, directory, prefix = checkpoint
     assert mesh_tf_format.load_config(directory) == config
     assert mesh_tf_format.load_step(prefix) == STEP
-    assert convert.pretrained_step(directory) == STEP
+    assert conversion.pretrained_step(directory) == STEP
 
 
 def test_rms_norm_spelling_is_accepted(tmp_path):

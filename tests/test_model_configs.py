@@ -192,7 +192,7 @@ def test_fine_tuning_experiments_train_past_their_pretrained_checkpoint(name):
     """Steps count on from INITIAL_CHECKPOINT_PATH's step (runners/train.py), so a recipe that
     starts from a released checkpoint either counts TRAIN_STEPS from it or names a step past
     it; otherwise `t5tpu train` stops at once on the TPU."""
-    from t5tpu import gin_setup
+    from t5tpu.config import gin_setup
 
     gin_setup.parse([f"configs/experiments/{name}.gin"], [], [])
     if not gin_setup.bound_value("train.initial_checkpoint_path"):

@@ -422,7 +422,8 @@ def test_every_tpu_topology_names_a_slice_libtpu_knows():
     )
     code = (
         "import gin, sys\n"
-        "from t5tpu import gin_setup, partitioning\n"
+        "from t5tpu import partitioning\n"
+        "from t5tpu.config import gin_setup\n"
         "from t5tpu.planning import compiled_memory\n"
         "for name in sys.argv[1:]:\n"
         "    gin.clear_config()\n"
@@ -487,7 +488,7 @@ def test_plan_of_a_model_gin_alone(model, count):
 def test_docs_table_matches_the_plans():
     """docs/memory_plan.md lists every TPU experiment with the plan's activations, peak and fit,
     and each experiment file's header states the same peak."""
-    from t5tpu import gin_setup
+    from t5tpu.config import gin_setup
 
     with open(os.path.join(ROOT, "docs", "memory_plan.md")) as f:
         doc = f.read()
@@ -606,7 +607,7 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     """{case name: XLA's peak and arguments, the plan's peak and state} for the named cases,
     compiled for the 8 (fake) CPU devices, or with `tpu_topology` (e.g. 'v3:2x2') for that
     TPU slice's compile-only devices (needs libtpu, no TPU)."""
-    from t5tpu import gin_setup
+    from t5tpu.config import gin_setup
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.planning import compiled_memory
 

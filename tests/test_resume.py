@@ -180,9 +180,9 @@ def test_fine_tuning_reads_the_input_from_its_first_batch(uninterrupted, tmp_pat
     """From a pretrained checkpoint (T5 1.1's is at step 1,000,000) the step count goes on from
     its step but the input starts at the first batch, and a resume skips only the batches the
     fine-tuning used."""
-    from t5tpu.formats import convert
+    from t5tpu.formats import conversion
 
-    pretrained = convert.save_params(str(tmp_path / "pretrained"), 1000, uninterrupted["params"])
+    pretrained = conversion.save_params(str(tmp_path / "pretrained"), 1000, uninterrupted["params"])
     model_dir = tmp_path / "fine_tuned"
     start = f"--gin.INITIAL_CHECKPOINT_PATH='{pretrained}'"
     run = train(model_dir, start, "--gin.TRAIN_STEPS=1002")

@@ -18,7 +18,7 @@ import seqio
 import tensorflow_datasets as tfds
 from t5tpu.tasks import squad
 
-from t5tpu import gin_setup
+from t5tpu.config import gin_setup
 from t5tpu.data import availability, pipeline, vocab
 from t5tpu.errors import UserError
 

@@ -18,7 +18,7 @@ import tensorstore as ts
 from flax import traverse_util
 
 from t5tpu.errors import UserError
-from t5tpu.formats import convert, param_mapping, t5x_format
+from t5tpu.formats import conversion, param_mapping, t5x_format
 from t5tpu.model.network import T5Config, Transformer
 
 STEP = 1_000_000
@@ -183,16 +183,16 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, path = checkpoint
     assert t5x_format.load_config(path) == config
     assert t5x_format.load_step(path) == STEP
-    assert convert.pretrained_step(path) == STEP
+    assert conversion.pretrained_step(path) == STEP
 
 
 def test_load_pretrained_detects_the_directory_and_the_index_file(checkpoint):
     config, params, path = checkpoint
     abstract = param_mapping.abstract_params(config)
-    assert convert.detect_format(path) == "t5x"
-    assert convert.detect_format(os.path.join(path, "checkpoint")) == "t5x"
+    assert conversion.detect_format(path) == "t5x"
+    assert conversion.detect_format(os.path.join(path, "checkpoint")) == "t5x"
     for given in (path, os.path.join(path, "checkpoint")):
-        imported = convert.load_pretrained(given, abstract)
+        imported = conversion.load_pretrained(given, abstract)
         np.testing.assert_array_equal(
             imported["token_embedder"]["embedding"], params["token_embedder/embedding"]
         )
@@ -203,7 +203,7 @@ def test_shardings_place_each_parameter(checkpoint):
     abstract = param_mapping.abstract_params(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
-    imported = convert.load_pretrained(path, abstract, shardings)
+    imported = conversion.load_pretrained(path, abstract, shardings)
     leaves = jax.tree_util.tree_leaves(imported)
     assert all(isinstance(x, jax.Array) and x.sharding == device for x in leaves)
 

@@ -175,8 +175,9 @@ def test_skip_malformed_leaves_them_out_with_one_warning(tmp_path):
 def test_registering_again_reads_unchanged_files_once(tmp_path, monkeypatch, capsys):
     """A process registers its tasks more than once (infer, the Python API's helpers): unchanged
     files are read, and their malformed rows reported, once; a changed file is read again."""
-    from t5tpu import gin_setup, tasks
-    from t5tpu.lazy_imports import seqio
+    from t5tpu import tasks
+    from t5tpu.config import gin_setup
+    from t5tpu.runtime.lazy_imports import seqio
 
     train = _write(tmp_path / "train.tsv", "a b\ta\nbroken row\n")
     validation = _write(tmp_path / "validation.jsonl", '{"input": "c d", "target": "c"}\n')

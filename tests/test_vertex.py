@@ -8,8 +8,9 @@ import json
 import pytest
 from cli_runs import t5tpu
 
+from t5tpu.cli import vertex
+from t5tpu.cloud import vertex_spec
 from t5tpu.errors import UserError
-from t5tpu.tools import vertex, vertex_spec
 
 EXPERIMENT = "configs/experiments/squad_v1_base_v2-8.gin"
 IMAGE = "us-docker.pkg.dev/my-project/t5tpu/t5tpu:tpu"

@@ -7,10 +7,10 @@
 
 Everything here is also reachable as `t5tpu.load` / `t5tpu.finetune`; importing `t5tpu` alone
 imports neither jax nor TensorFlow. Importing this package turns on jax's persistent compilation
-cache as the command line does (t5tpu/compilation_cache.py).
+cache as the command line does (t5tpu/runtime/compilation_cache.py).
 """
 
-from t5tpu.cli import process_setup
+from t5tpu.runtime import process_setup
 
 # Compiled programs kept on disk as the command line keeps them, so a notebook's second
 # `load(...).predict` starts without compiling (T5TPU_COMPILATION_CACHE=off turns it off; a

@@ -20,7 +20,7 @@ from etils import epath
 from t5tpu.api.model import Shapes, T5Model
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import convert
+from t5tpu.formats import conversion
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import Partitioner
@@ -61,7 +61,7 @@ def _t5tpu_description(checkpoint: str, gin_files: list[str]) -> _Description:
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     mngr = checkpoints.manager(run_dir, read_only=True)
     shapes = checkpoints.flat_shapes(mngr.item_metadata(paths.step_of(checkpoint))["params"])
-    config, vocabulary = convert.model_from_gin(gin_files, shapes)
+    config, vocabulary = conversion.model_from_gin(gin_files, shapes)
     if vocabulary is None and gin_files:
         # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
         # returns unbound.
@@ -73,9 +73,9 @@ def _imported_description(path: str, gin_files: list[str]) -> _Description:
     """A Hugging Face, T5X or Mesh TF checkpoint: its own description (config.json and
     spiece.model; T5X and Mesh TF record neither vocabulary nor activations, so these are
     T5 1.1's, without a vocabulary) unless `gin_files` give the model."""
-    importer = convert.IMPORTERS[convert.detect_format(path)]
+    importer = conversion.IMPORTERS[conversion.detect_format(path)]
     if gin_files:  # names and shapes are checked against the checkpoint when it is read
-        config, vocabulary = convert.model_from_gin(gin_files, None)
+        config, vocabulary = conversion.model_from_gin(gin_files, None)
         return _Description(config, vocabulary, path)
     config = importer.load_config(path)
     return _Description(config, importer.vocabulary(path).load(), path)
@@ -87,7 +87,7 @@ def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description
         return _t5tpu_description(_newest_checkpoint(path, step), gin_files)
     if step is not None:
         raise UserError(f"step={step} picks a checkpoint of a t5tpu MODEL_DIR; {path} is not one")
-    if convert.detect_format(path) == "t5tpu":
+    if conversion.detect_format(path) == "t5tpu":
         return _t5tpu_description(path, gin_files)
     return _imported_description(path, gin_files)
 
@@ -119,7 +119,7 @@ def load(
         vocabulary = description.vocabulary or _NoVocabulary()
         model = EncoderDecoderModel(description.config, vocabulary)
         abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
-        params = convert.load_pretrained(description.checkpoint, abstract, shardings)
+        params = conversion.load_pretrained(description.checkpoint, abstract, shardings)
     shapes = Shapes.for_devices(
         batch_size=batch_size,
         max_input_length=max_input_length,

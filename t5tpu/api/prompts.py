@@ -8,9 +8,8 @@ A raw example goes through the task's preprocessors up to tokenization (seqio's
 
 from __future__ import annotations
 
-from t5tpu.data import registry
-from t5tpu.lazy_imports import tf
-from t5tpu.tasks import metrics, quora, squad
+from t5tpu.runtime.lazy_imports import tf
+from t5tpu.tasks import metrics, quora, registry, squad
 
 SQUAD_V1 = squad.V1_TASK
 POSITIVE_LABEL = metrics.POSITIVE_LABEL

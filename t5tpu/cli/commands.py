@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from t5tpu.tools import bench, convert, prepare_quora, vertex
+from t5tpu.cli import bench, convert, prepare_quora, vertex
 
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 
@@ -42,8 +42,8 @@ class GinCommand:
     notes: tuple[str, ...] = ()
     compilation_cache: bool = True
     # Reads a task's data through TensorFlow: loaded quietly at start-up. The others load it,
-    # quietly too, only if they come to need it (t5tpu.lazy_imports): `infer` of given inputs
-    # and `plan` never do, and start 3-4 s sooner.
+    # quietly too, only if they come to need it (t5tpu.runtime.lazy_imports): `infer` of given
+    # inputs and `plan` never do, and start sooner.
     tensorflow: bool = True
     # Parsed before the user's gin files, which rebind what they set (plan: a model gin alone
     # is enough).

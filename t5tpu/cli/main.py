@@ -13,8 +13,9 @@ import sys
 
 from absl import app, flags, logging
 
-from t5tpu.cli import commands, gin_flags, help_text, host_memory, process_setup
+from t5tpu.cli import commands, gin_flags, help_text
 from t5tpu.errors import EnvironmentFault, UserError, one_line_message
+from t5tpu.runtime import host_memory, process_setup
 
 HELP_WORDS = frozenset({"-h", "--help", "--helpshort", "help"})
 # Exit codes: the user's input (fix it and rerun) versus the machine (a full disk, a failing
@@ -71,7 +72,7 @@ def main(argv: list[str]) -> None:
         process_setup.import_tensorflow_quietly()
     if command.compilation_cache:
         process_setup.enable_compilation_cache()
-    from t5tpu import gin_setup
+    from t5tpu.config import gin_setup
 
     try:
         process_setup.initialize_distributed(

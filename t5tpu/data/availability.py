@@ -14,7 +14,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.lazy_imports import seqio, tf
+from t5tpu.runtime.lazy_imports import seqio, tf
 
 TFDS_GCS_HOST = "storage.googleapis.com"  # tfds' mirror of prepared data sets
 # How long a bucket may take to answer before its storage counts as unreachable: the storage

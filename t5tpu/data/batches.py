@@ -9,8 +9,8 @@ from collections.abc import Iterator, Mapping
 import jax
 import numpy as np
 
-from t5tpu.lazy_imports import tf
 from t5tpu.partitioning import host_data_rows
+from t5tpu.runtime.lazy_imports import tf
 
 
 def examples_in(batch: Mapping[str, np.ndarray]) -> int:

@@ -18,8 +18,8 @@ import numpy as np
 from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.lazy_imports import seqio, tf
 from t5tpu.partitioning import DataLayout
+from t5tpu.runtime.lazy_imports import seqio, tf
 
 
 def feature_converter(pack: bool) -> seqio.FeatureConverter:

@@ -1,6 +1,6 @@
 """Reading Quora question pairs, splitting them into train and validation, and turning a full
 release into the TFRecord splits the Quora tasks read (`t5tpu prepare-quora`, whose flags are
-t5tpu.tools.prepare_quora's).
+t5tpu.cli.prepare_quora's).
 
 The Quora release is a tab-separated file whose fields are csv-quoted where needed; one question
 even holds a quoted newline, so records must be read with a quote-aware reader, never by lines.

@@ -16,7 +16,7 @@ import sentencepiece
 from etils import epath
 from sentencepiece import sentencepiece_model_pb2
 
-from t5tpu.lazy_imports import seqio
+from t5tpu.runtime.lazy_imports import seqio
 
 PAD_ID = 0  # seqio's, and every T5 vocabulary's
 

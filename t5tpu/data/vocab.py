@@ -23,7 +23,7 @@ from etils import epath
 from t5tpu import package_files
 from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio
+from t5tpu.runtime.lazy_imports import seqio
 
 KINDS = ("sentencepiece", "bytes")
 

@@ -23,8 +23,8 @@ from etils import epath
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.lazy_imports import tf
 from t5tpu.model.network import T5Config
+from t5tpu.runtime.lazy_imports import tf
 
 _TF_STATE_MAGIC = b"model_checkpoint_path"
 _STEP_VARIABLE = "global_step"

@@ -12,9 +12,9 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio
 from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.runtime.lazy_imports import seqio
 
 Array = jax.Array
 

@@ -17,8 +17,8 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from t5tpu import gin_setup
-from t5tpu.data import availability, pipeline, registry
+from t5tpu.config import gin_setup
+from t5tpu.data import availability, pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
@@ -27,6 +27,7 @@ from t5tpu.runners import outputs
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
+from t5tpu.tasks import registry
 from t5tpu.training import trainer
 
 CONTINUOUS = "continuous"

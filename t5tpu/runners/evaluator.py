@@ -18,10 +18,10 @@ from etils import epath
 
 from t5tpu.data import batches, pipeline
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio, tf
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import model_dir as paths
 
 

@@ -21,16 +21,17 @@ import jax
 import numpy as np
 from etils import epath
 
-from t5tpu import gin_setup
-from t5tpu.data import availability, batches, pipeline, registry
+from t5tpu.config import gin_setup
+from t5tpu.data import availability, batches, pipeline
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import outputs, prediction_files
+from t5tpu.runtime.lazy_imports import seqio
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
+from t5tpu.tasks import registry
 from t5tpu.training import trainer
 
 

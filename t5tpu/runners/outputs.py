@@ -15,7 +15,7 @@ import os
 import jax
 from etils import epath
 
-from t5tpu import gin_setup
+from t5tpu.config import gin_setup
 from t5tpu.data import availability
 from t5tpu.errors import UserError
 

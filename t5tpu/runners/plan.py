@@ -21,7 +21,8 @@ import time
 import gin
 import jax
 
-from t5tpu import gin_setup, partitioning
+from t5tpu import partitioning
+from t5tpu.config import gin_setup
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
@@ -288,8 +289,8 @@ def plan(
 def _compile(
     plan: memory_plan.MemoryPlan, optimizer, given: Partitioner
 ) -> compiled_memory.CompiledMemory:
-    from t5tpu.lazy_imports import seqio
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
+    from t5tpu.runtime.lazy_imports import seqio
 
     topology = given.topology
     print(

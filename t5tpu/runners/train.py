@@ -36,8 +36,8 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5tpu import gin_setup
-from t5tpu.data import availability, pipeline, registry
+from t5tpu.config import gin_setup
+from t5tpu.data import availability, pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
@@ -47,6 +47,7 @@ from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLo
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.writer_lock import WriterLock
+from t5tpu.tasks import registry
 from t5tpu.training import trainer
 from t5tpu.training.preemption import PreemptionWatch
 from t5tpu.training.progress import Progress
@@ -169,9 +170,9 @@ def _input_start_step(resume: checkpoints.ResumePoint | None, initial_path: str 
         return resume.input_start_step
     if not initial_path:
         return 0
-    from t5tpu.formats import convert  # imports TensorFlow: see _fresh_state
+    from t5tpu.formats import conversion  # imports TensorFlow: see _fresh_state
 
-    return convert.pretrained_step(initial_path)
+    return conversion.pretrained_step(initial_path)
 
 
 def _start_point(
@@ -214,9 +215,9 @@ def _fresh_state(*, setup: StepSetup, seed: int, start: StartPoint) -> trainer.T
         # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint. The
         # converters import TensorFlow (Mesh TF's reader) at their top: imported here, so that
         # gin files naming `train` parse without it (`t5tpu plan`, `t5tpu infer`).
-        from t5tpu.formats import convert
+        from t5tpu.formats import conversion
 
-        params = convert.load_pretrained(
+        params = conversion.load_pretrained(
             initial_path, setup.abstract.params, setup.shardings.params
         )
         print(

@@ -9,7 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from t5tpu import gin_setup
+from t5tpu.config import gin_setup
 from t5tpu.data import batches
 from t5tpu.errors import UserError
 from t5tpu.runners.evaluator import TaskEvaluator

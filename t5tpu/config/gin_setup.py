@@ -2,8 +2,8 @@
 
 Configurables are declared with @gin.configurable where they are defined; this module holds the
 one list of those modules, so a gin file can name any of them once `import_configurables` ran.
-Those modules import neither TensorFlow nor seqio at their top (t5tpu.lazy_imports), so parsing a
-run's gin files costs well under a second.
+Those modules import neither TensorFlow nor seqio at their top (t5tpu.runtime.lazy_imports), so
+parsing a run's gin files stays quick.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import gin
 import jax
 from etils import epath
 
-from t5tpu import macro_limits, package_files
+from t5tpu import package_files
+from t5tpu.config import macro_limits
 from t5tpu.errors import UserError
 
 CONFIGURABLE_MODULES = (

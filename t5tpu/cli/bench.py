@@ -16,10 +16,10 @@ import importlib.util
 import json
 import os
 
+from t5tpu.bench.names import WORKLOADS
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
+from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.errors import UserError
-from t5tpu.tools.bench_names import WORKLOADS
-from t5tpu.tools.tool_parser import ToolParser
 
 NAME = "bench"
 SUMMARY = "speed of a model's train step, scoring and decoding (optionally against HF PyTorch)"
@@ -127,9 +127,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from t5tpu.tools import bench_report, bench_workloads
+    from t5tpu.bench import report, workloads
 
-    model = bench_workloads.build_model(args)  # gin files parsed before anything is written
+    model = workloads.build_model(args)  # gin files parsed before anything is written
     output = open(args.output, "a") if args.output else None  # noqa: SIM115
 
     def emit(result: dict) -> None:
@@ -141,17 +141,17 @@ def run(args: argparse.Namespace) -> int:
             output.flush()
 
     try:
-        emit(bench_report.machine_info() | {"args": vars(args)})
-        results = bench_workloads.run_workloads(args, emit, model)
+        emit(report.machine_info() | {"args": vars(args)})
+        results = workloads.run_workloads(args, emit, model)
         emit({"workload": "machine_end", "load_average_1m": os.getloadavg()[0]})
     finally:
         if output:
             output.close()
     if args.json:
-        for line in bench_report.summary(results):
+        for line in report.summary(results):
             print(json.dumps(line, sort_keys=True), flush=True)
     else:
-        print(bench_report.table(results), flush=True)
+        print(report.table(results), flush=True)
     return 0
 
 

@@ -1,7 +1,7 @@
 """Pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging Face).
 
 `load_pretrained` is what the train runner calls for an INITIAL_CHECKPOINT_PATH. `to_t5tpu` and
-`to_hf` are what `t5tpu convert` runs (its flags are t5tpu.tools.convert's):
+`to_hf` are what `t5tpu convert` runs (its flags are t5tpu.cli.convert's):
 
 - to_t5tpu writes DIR/checkpoint_<step>/params (orbax, parameters only; the step is the
   source's: 0 for Hugging Face) and DIR/model.gin: the model's geometry, the source's vocabulary
@@ -24,7 +24,8 @@ import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from t5tpu import gin_setup, package_files
+from t5tpu import package_files
+from t5tpu.config import gin_setup
 from t5tpu.data import availability, vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import (

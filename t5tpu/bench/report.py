@@ -9,7 +9,7 @@ import platform
 
 import jax
 
-from t5tpu.tools.bench_names import HF, OURS, WORKLOADS
+from t5tpu.bench.names import HF, OURS, WORKLOADS
 
 
 def throughput(seconds: float, batch: int, tokens_per_example: int) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from t5tpu import compilation_cache, lazy_imports
+from t5tpu.runtime import compilation_cache, lazy_imports
 
 
 def import_tensorflow_quietly() -> None:
@@ -19,7 +19,7 @@ def import_tensorflow_quietly() -> None:
 
 def enable_compilation_cache() -> None:
     """Compiled programs kept on disk, so a second command or a restarted run loads them
-    instead of compiling again (t5tpu/compilation_cache.py says where and how to turn it off)."""
+    instead of compiling again (compilation_cache.py says where and how to turn it off)."""
     compilation_cache.enable()
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from t5tpu.bench.report import decode_result, throughput
+from t5tpu.bench.timing import Workload
 from t5tpu.errors import UserError
-from t5tpu.tools.bench_report import decode_result, throughput
-from t5tpu.tools.bench_timing import Workload
 
 
 def hf_model(config, dtype: str):

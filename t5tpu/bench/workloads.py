@@ -12,12 +12,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.errors import UserError
-from t5tpu.tools import bench_hf
-from t5tpu.tools.bench_kernels import decode_step_dense, dense_probe, forward_dense
-from t5tpu.tools.bench_limits import bandwidth, decode_step_bytes, make_probes, probe_all
-from t5tpu.tools.bench_names import HF, OURS
-from t5tpu.tools.bench_report import (
+from t5tpu.bench import hf
+from t5tpu.bench.kernels import decode_step_dense, dense_probe, forward_dense
+from t5tpu.bench.limits import bandwidth, decode_step_bytes, make_probes, probe_all
+from t5tpu.bench.names import HF, OURS
+from t5tpu.bench.report import (
     decode_result,
     dense_share,
     derived,
@@ -27,14 +26,15 @@ from t5tpu.tools.bench_report import (
     throughput,
     xla_cost,
 )
-from t5tpu.tools.bench_timing import Workload, compile_seconds, measure
+from t5tpu.bench.timing import Workload, compile_seconds, measure
+from t5tpu.errors import UserError
 
 
 def build_model(args):
     """The gin-configured EncoderDecoderModel with a stand-in vocabulary (ids only, EOS 1)."""
     import seqio
 
-    from t5tpu import gin_setup
+    from t5tpu.config import gin_setup
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.model.network import T5Config
 
@@ -256,7 +256,8 @@ def bench_pipeline(args) -> dict:
     """Examples/s from a real task's seqio training stream, after its first batch."""
     import gin
 
-    from t5tpu.data import pipeline, registry
+    from t5tpu.data import pipeline
+    from t5tpu.tasks import registry
 
     if args.pipeline_vocabulary == "bundled":
         gin.bind_parameter("default_vocabulary.sentencepiece_model_file", None)
@@ -316,7 +317,7 @@ def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
     vocab = model.config.vocab_size
     batch = random_batch(rng, args.batch_size, args.input_length, args.target_length, vocab)
     decode_inputs = rng.integers(2, vocab, (args.decode_batch_size, args.input_length), np.int32)
-    hf = bench_hf.hf_model(model.config, model.config.dtype) if args.compare_hf else None
+    reference = hf.hf_model(model.config, model.config.dtype) if args.compare_hf else None
     measured = set(args.workloads) & set(MODEL_WORKLOADS)
     probes = make_limit_probes(args, model.config) if measured else {}
 
@@ -328,26 +329,26 @@ def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
     pairs = {
         "train": (
             lambda: bench_train(model, args, batch, probes),
-            lambda: bench_hf.hf_train(hf, args, batch),
+            lambda: hf.hf_train(reference, args, batch),
         ),
         "score": (
             lambda: bench_score(model, args, batch, probes),
-            lambda: bench_hf.hf_score(hf, args, batch),
+            lambda: hf.hf_score(reference, args, batch),
         ),
         "greedy": (
             lambda: bench_decode(model, args, decode_inputs, 1, probes),
-            lambda: bench_hf.hf_decode(hf, args, decode_inputs, 1),
+            lambda: hf.hf_decode(reference, args, decode_inputs, 1),
         ),
         "beam": (
             lambda: bench_decode(model, args, decode_inputs, args.num_beams, probes),
-            lambda: bench_hf.hf_decode(hf, args, decode_inputs, args.num_beams),
+            lambda: hf.hf_decode(reference, args, decode_inputs, args.num_beams),
         ),
     }
     if probes:
         probe_machine("probes before the workloads", "")
     for workload in (w for w in MODEL_WORKLOADS if w in measured):
         ours, theirs = pairs[workload]
-        prepared = [ours()] + ([theirs()] if hf is not None else [])
+        prepared = [ours()] + ([theirs()] if reference is not None else [])
         reports = measure(prepared, args.warmup, args.steps, args.limit_best)
         for impl, fields in zip((OURS, HF), reports, strict=False):
             record({"workload": workload, "impl": impl, **fields})

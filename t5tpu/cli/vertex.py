@@ -10,9 +10,9 @@ import json
 import os
 
 from t5tpu import package_files
+from t5tpu.cli.tool_parser import ToolParser
+from t5tpu.cloud import vertex_spec
 from t5tpu.errors import UserError
-from t5tpu.tools import vertex_spec
-from t5tpu.tools.tool_parser import ToolParser
 
 NAME = "vertex-submit"
 SUMMARY = "run train/eval/infer as a Vertex AI custom job (--dry_run prints its spec)"

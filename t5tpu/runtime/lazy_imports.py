@@ -4,7 +4,7 @@ Importing them costs 3-4 s of a command's start (seqio imports TensorFlow), yet 
 files, `t5tpu plan`, the tools and decoding inputs given on the command line need neither. The
 modules that use them for tasks, input pipelines and file checks write
 
-    from t5tpu.lazy_imports import seqio, tf
+    from t5tpu.runtime.lazy_imports import seqio, tf
 
 instead of importing them: the names are bound at once, and the real import happens on the
 first attribute read (`tf.data`, `seqio.get_mixture_or_task`). Annotations only (with

@@ -9,8 +9,8 @@ from __future__ import annotations
 import argparse
 import os
 
+from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.data import quora_csv
-from t5tpu.tools.tool_parser import ToolParser
 
 NAME = "prepare-quora"
 SUMMARY = "the full Quora pairs (Kaggle train.csv or GLUE's QQP TSV) as TFRecord splits"

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import jax
 
-from t5tpu.tools.bench_limits import Probe, limit_of
+from t5tpu.bench.limits import Probe, limit_of
 
 INTERLEAVED = "probes, one after each repetition of the workload"
 

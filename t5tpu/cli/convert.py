@@ -3,7 +3,7 @@
     t5tpu convert [--from={hf,t5x,mesh_tf}] --input=PATH --output_dir=DIR [--overwrite]
     t5tpu convert --to=hf --input=CHECKPOINT --output_dir=DIR [--gin_file=MODEL_GIN ...]
 
-This module is the command's flags; the conversion is t5tpu.formats.convert's, imported once the
+This module is the command's flags; the conversion is t5tpu.formats.conversion's, imported once the
 flags have been parsed (it loads jax, orbax and TensorFlow).
 """
 
@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import argparse
 
-from t5tpu.tools.tool_parser import ToolParser
+from t5tpu.cli.tool_parser import ToolParser
 
 NAME = "convert"
 SUMMARY = "pretrained weights in (Hugging Face, T5X, Mesh TF) and out (--to=hf)"
 EXAMPLE = "t5tpu convert --input=/path/to/hf_t5_dir --output_dir=/tmp/t5_base"
-# The formats --from names: t5tpu.formats.convert.IMPORTERS' keys, and t5tpu's own.
+# The formats --from names: t5tpu.formats.conversion.IMPORTERS' keys, and t5tpu's own.
 SOURCES = ("hf", "t5x", "mesh_tf", "t5tpu")
 _DESCRIPTION = """\
 Convert T5 checkpoints. By default a Hugging Face directory, a T5X checkpoint_<step> or a Mesh TF \
@@ -63,10 +63,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def run(args: argparse.Namespace) -> int:
-    from t5tpu.formats import convert
+    from t5tpu.formats import conversion
 
     if args.to == "hf":
-        convert.to_hf(
+        conversion.to_hf(
             input_path=args.input,
             output_dir=args.output_dir,
             source=args.source,
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
             gin_files=args.gin_file,
         )
     else:
-        convert.to_t5tpu(
+        conversion.to_t5tpu(
             input_path=args.input,
             output_dir=args.output_dir,
             source=args.source,

@@ -8,7 +8,7 @@ import importlib.util
 import os
 
 from t5tpu.errors import UserError
-from t5tpu.lazy_imports import seqio
+from t5tpu.runtime.lazy_imports import seqio
 
 
 def add_text_task(

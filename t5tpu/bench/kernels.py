@@ -21,7 +21,7 @@ import itertools
 import jax
 import jax.numpy as jnp
 
-from t5tpu.tools.bench_limits import Probe
+from t5tpu.bench.limits import Probe
 
 
 @dataclasses.dataclass(frozen=True)

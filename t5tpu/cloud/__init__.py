@@ -1,0 +1,1 @@
+"""Descriptions of cloud jobs (Vertex AI), built without any network."""

@@ -1,0 +1,1 @@
+"""Gin: finding and parsing the configuration files, and checking the macros' values."""
