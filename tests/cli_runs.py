@@ -20,16 +20,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 # A 1M-parameter T5 1.1 on the bundled Quora sample: every subcommand runs in seconds on CPU.
 TINY_EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
-# Its geometry (configs/models/t5_1_1/tiny.gin), for tests that build the model in-process.
-TINY_GEOMETRY = dict(
-    vocab_size=1024,
-    emb_dim=128,
-    num_heads=4,
-    head_dim=32,
-    mlp_dim=256,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-)
 
 
 def cli_command(*args: str) -> list[str]:

@@ -14,6 +14,14 @@ import gin  # noqa: E402
 import pytest  # noqa: E402
 
 
+@pytest.fixture
+def tiny_config():
+    """tiny.tiny_config: the tiny T5 1.1's geometry with a test's overrides."""
+    from tiny import tiny_config as make
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def empty_gin_config():
     gin.clear_config()

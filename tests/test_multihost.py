@@ -18,12 +18,12 @@ import pytest
 from cli_runs import (
     ROOT,
     TINY_EXPERIMENT,
-    TINY_GEOMETRY,
     cli_command,
     free_port,
     run_together,
     succeeded,
 )
+from tiny import tiny_config
 
 XLA_FAST = "--xla_backend_optimization_level=0"  # compile faster; memory and numerics unchanged
 MESHES = (1, 2, 4, 8)  # model-parallel degrees: 8x1, 4x2, 2x4, 1x8
@@ -122,9 +122,8 @@ def test_both_processes_write_one_checkpoint_that_one_process_restores(runs):
 def _tiny_model():
     from t5tpu.data import vocab
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
-    from t5tpu.model.network import T5Config
 
-    config = T5Config(**TINY_GEOMETRY)
+    config = tiny_config()
     return EncoderDecoderModel(config, vocab.default_vocabulary(vocab.bundled_vocabulary_file()))
 
 
