@@ -16,8 +16,9 @@ import pytest
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
 from cli_runs import file_digests, t5tpu
 from flax import traverse_util
-from test_t5x_format import STEP as T5X_STEP
-from test_t5x_format import expected_values, write_t5x_checkpoint
+from t5x_checkpoints import STEP as T5X_STEP
+from t5x_checkpoints import expected_values, write_t5x_checkpoint
+from tiny import tiny_config
 
 from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
@@ -27,16 +28,9 @@ from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
 
-# Tiny T5 1.1 whose vocabulary is the bundled 1,024-piece model, so the Quora experiment runs.
-CONFIG = T5Config(
-    vocab_size=1024,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-)
+# The tiny T5 1.1, narrower; its vocabulary is the bundled 1,024-piece model, so the Quora
+# experiment runs.
+CONFIG = tiny_config(emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64)
 _BUNDLED = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
 
 

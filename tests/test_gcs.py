@@ -30,10 +30,12 @@ from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, succeeded, t
 _MISSING = [
     name for name in ("gcp_storage_emulator", "gcsfs") if importlib.util.find_spec(name) is None
 ]
-pytestmark = pytest.mark.skipif(
-    bool(_MISSING),
-    reason=f"{' and '.join(_MISSING)} not installed (pip install -c constraints.txt -e '.[test]')",
-)
+_WHY = f"{' and '.join(_MISSING)} not installed (pip install -c constraints.txt -e '.[test]')"
+pytestmark = [
+    # The tests share one run on the emulated bucket, trained through the command line.
+    pytest.mark.slow,
+    pytest.mark.skipif(bool(_MISSING), reason=_WHY),
+]
 
 BUCKET = gcs_emulator.BUCKET
 RUN = "run"  # the shared run's MODEL_DIR in the bucket
@@ -218,7 +220,7 @@ np.savez(sys.argv[2], step=checkpoint.step, **{k.replace("/", "|"): v for k, v i
 def test_reads_a_t5x_checkpoint_on_gcs_as_it_reads_a_local_one(endpoint, env, tmp_path):
     """The msgpack index through epath, the zarr arrays through tensorstore's gcs driver (one
     spec names T5X's placeholder bucket, which the checkpoint's own bucket replaces)."""
-    import test_t5x_format as t5x
+    import t5x_checkpoints as t5x
 
     params = t5x.random_params(t5x.CONFIGS["1.1"])
     local = t5x.write_t5x_checkpoint(str(tmp_path / "t5x"), params, t5x.STEP)

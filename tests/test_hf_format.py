@@ -18,6 +18,7 @@ import pytest
 import safetensors.numpy
 import torch
 import transformers
+from tiny import tiny_config
 
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
@@ -89,8 +90,9 @@ def saved(tmp_path_factory):
         model = _hf_model(variant)
         directory = str(tmp_path_factory.mktemp(f"hf_{variant}"))
         model.save_pretrained(directory)
-        config = hf_format.load_config(directory)
-        params = hf_format.load_params(directory, param_mapping.abstract_params(config))
+        checkpoint = hf_format.HFCheckpoint(directory)
+        config = checkpoint.config()
+        params = checkpoint.load(param_mapping.abstract_params(config))
         out[variant] = (model, directory, config, params)
     return out
 
@@ -132,7 +134,7 @@ def test_reference_t5_1_1_is_untied_and_t5_1_0_tied(saved):
 
 
 def test_config_is_derived_from_config_json(saved):
-    assert saved["1.0"][2] == T5Config(
+    assert saved["1.0"][2] == tiny_config(
         vocab_size=VOCAB,
         emb_dim=D_MODEL,
         num_heads=HEADS,
@@ -223,7 +225,7 @@ def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
     assert len([f for f in os.listdir(sharded) if f.endswith(".safetensors")]) > 1
     assert os.path.exists(f"{torch_dir}/pytorch_model.bin")
     for directory in (sharded, torch_dir):
-        imported = hf_format.load_params(directory, abstract)
+        imported = hf_format.HFCheckpoint(directory).load(abstract)
         jax.tree_util.tree_map(np.testing.assert_array_equal, imported, params)
 
 
@@ -233,7 +235,7 @@ def test_refuses_another_geometry_listing_names_and_shapes(saved):
         T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3})
     )
     with pytest.raises(UserError) as error:
-        hf_format.load_params(directory, other)
+        hf_format.HFCheckpoint(directory).load(other)
     message = str(error.value)
     assert "another geometry" in message and "\n" not in message
     assert (
@@ -247,28 +249,28 @@ def test_t5_1_0_checkpoint_is_refused_by_a_t5_1_1_model(saved):
     _, directory, config, _ = saved["1.0"]
     gated = T5Config(**{**config.__dict__, "mlp_activations": ("gelu", "linear")})
     with pytest.raises(UserError, match=r"wi_0\.weight: missing"):
-        hf_format.load_params(directory, param_mapping.abstract_params(gated))
+        hf_format.HFCheckpoint(directory).load(param_mapping.abstract_params(gated))
 
 
 def test_spiece_model_is_picked_up_as_the_vocabulary(saved, tmp_path):
     _, directory, _, _ = saved["1.0"]
-    assert hf_format.vocabulary(directory) == VocabularySource()
+    assert hf_format.HFCheckpoint(directory).vocabulary() == VocabularySource()
     shutil.copy(f"{directory}/config.json", tmp_path)
     shutil.copy(vocab.bundled_vocabulary_file(), tmp_path / "spiece.model")
-    spiece = f"{tmp_path}/spiece.model"
-    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("sentencepiece", spiece, 100)
+    spiece, copy = f"{tmp_path}/spiece.model", hf_format.HFCheckpoint(str(tmp_path))
+    assert copy.vocabulary() == VocabularySource("sentencepiece", spiece, 100)
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({"extra_ids": 0}))
-    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("sentencepiece", spiece, 0)
+    assert copy.vocabulary() == VocabularySource("sentencepiece", spiece, 0)
     (tmp_path / "tokenizer_config.json").write_text('{"extra_ids": ')
     with pytest.raises(UserError, match="tokenizer_config.json is not valid JSON"):
-        hf_format.vocabulary(str(tmp_path))
+        copy.vocabulary()
 
 
 def test_byt5_export_writes_a_byte_tokenizer_with_seqio_ids(saved, tmp_path):
     _, directory, config, params = saved["byt5"]
     hf_format.export(params, config, str(tmp_path), VocabularySource("bytes", None, 3))
     assert not (tmp_path / "spiece.model").exists()  # bytes need no model file
-    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("bytes", None, 3)
+    assert hf_format.HFCheckpoint(str(tmp_path)).vocabulary() == VocabularySource("bytes", None, 3)
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path))
     assert type(tokenizer).__name__ == "ByT5Tokenizer"
     byte_vocabulary = vocab.default_vocabulary(kind="bytes", extra_ids=3)
@@ -286,7 +288,8 @@ def test_published_byt5_directories_name_their_tokenizer_in_config_json(saved, t
         json.dumps({**published, "tokenizer_class": "ByT5Tokenizer"})
     )
     # google/byt5-*: no spiece.model; ByT5Tokenizer's default of 125 sentinels fills 384 rows.
-    assert hf_format.vocabulary(str(tmp_path)) == VocabularySource("bytes", None, 125)
+    published_vocabulary = hf_format.HFCheckpoint(str(tmp_path)).vocabulary()
+    assert published_vocabulary == VocabularySource("bytes", None, 125)
     assert vocab.default_vocabulary(kind="bytes", extra_ids=125).vocab_size == 384
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 from flax import traverse_util
-from test_t5x_format import CONFIGS, random_params, t5x_layout
+from t5x_checkpoints import CONFIGS, random_params, t5x_layout
 
 from t5tpu.errors import UserError
 from t5tpu.formats import conversion, mesh_tf_format, param_mapping
@@ -133,8 +133,8 @@ def test_imports_every_parameter_exactly(checkpoint, given):
 
 def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, directory, prefix = checkpoint
-    assert mesh_tf_format.load_config(directory) == config
-    assert mesh_tf_format.load_step(prefix) == STEP
+    assert mesh_tf_format.MeshTFCheckpoint(directory).config() == config
+    assert mesh_tf_format.MeshTFCheckpoint(prefix).step == STEP
     assert conversion.pretrained_step(directory) == STEP
 
 
@@ -144,7 +144,7 @@ def test_rms_norm_spelling_is_accepted(tmp_path):
     variables = t5_library_variables(params, config, norm="rms_norm")
     variables["encoder/rms_norm/scale"] = variables.pop("encoder/final_layer_norm/scale")
     prefix = write_mesh_tf_checkpoint(str(tmp_path), variables, 7)
-    imported = mesh_tf_format.load_params(prefix, param_mapping.abstract_params(config))
+    imported = mesh_tf_format.MeshTFCheckpoint(prefix).load(param_mapping.abstract_params(config))
     np.testing.assert_array_equal(
         imported["encoder"]["encoder_norm"]["scale"], params["encoder/encoder_norm/scale"]
     )
@@ -158,7 +158,7 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
     config, _, directory, _ = checkpoint
     other = T5Config(**{**config.__dict__, "mlp_dim": 48})
     with pytest.raises(UserError) as error:
-        mesh_tf_format.load_params(directory, param_mapping.abstract_params(other))
+        mesh_tf_format.MeshTFCheckpoint(directory).load(param_mapping.abstract_params(other))
     message = str(error.value)
     assert f"Mesh TF checkpoint {directory} has another geometry" in message
     wo = "decoder/block_000/layer_002/DenseReluDense/wo/kernel"
@@ -167,6 +167,6 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
 
 def test_an_unreadable_checkpoint_is_a_user_error(tmp_path):
     (tmp_path / "checkpoint").write_text('model_checkpoint_path: "model.ckpt-5"\n')
-    assert mesh_tf_format.is_mesh_tf_checkpoint(str(tmp_path))
+    assert mesh_tf_format.MeshTFCheckpoint.recognizes(str(tmp_path))
     with pytest.raises(UserError, match="cannot read a TensorFlow checkpoint"):
-        mesh_tf_format.load_config(str(tmp_path))
+        mesh_tf_format.MeshTFCheckpoint(str(tmp_path)).config()

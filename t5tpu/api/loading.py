@@ -77,8 +77,8 @@ def _imported_description(path: str, gin_files: list[str]) -> _Description:
     if gin_files:  # names and shapes are checked against the checkpoint when it is read
         config, vocabulary = conversion.model_from_gin(gin_files, None)
         return _Description(config, vocabulary, path)
-    config = importer.load_config(path)
-    return _Description(config, importer.vocabulary(path).load(), path)
+    checkpoint = importer(path)
+    return _Description(checkpoint.config(), checkpoint.vocabulary().load(), path)
 
 
 def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description:

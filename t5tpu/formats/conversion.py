@@ -42,7 +42,12 @@ from t5tpu.model.network import T5Config
 from t5tpu.storage import checkpoints
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
-IMPORTERS = {"hf": hf_format, "t5x": t5x_format, "mesh_tf": mesh_tf_format}
+# The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
+IMPORTERS: dict[str, type[param_mapping.CheckpointReader]] = {
+    "hf": hf_format.HFCheckpoint,
+    "t5x": t5x_format.T5XCheckpoint,
+    "mesh_tf": mesh_tf_format.MeshTFCheckpoint,
+}
 # Geometry fields written into model.gin, in this order.
 _GEOMETRY = (
     "vocab_size",
@@ -81,14 +86,11 @@ def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
     availability.check_storage(path, setting)
     if not epath.Path(path).exists() and not epath.Path(f"{path}.index").exists():  # Mesh TF
         raise UserError(f"checkpoint {path} does not exist")
-    if hf_format.is_hf_directory(path):
-        return "hf"
     if _t5tpu_step_dir(path):
         return "t5tpu"
-    if t5x_format.is_t5x_checkpoint(path):
-        return "t5x"
-    if mesh_tf_format.is_mesh_tf_checkpoint(path):
-        return "mesh_tf"
+    for source, reader in IMPORTERS.items():
+        if reader.recognizes(path):
+            return source
     raise UserError(
         f"{path} is not a checkpoint t5tpu reads: expected a Hugging Face directory "
         "(config.json + model.safetensors), a T5X checkpoint_<step> directory (msgpack "
@@ -119,7 +121,7 @@ def load_pretrained(path: str, abstract_params, shardings=None):
             shardings if shardings is not None else _single_device(abstract_params),
         )
     unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
-    params = IMPORTERS[source].load_params(path, unrolled, unrolled_shardings)
+    params = IMPORTERS[source](path).load(unrolled, unrolled_shardings)
     return layer_stacking.stack_onto(params, abstract_params, shardings)
 
 
@@ -128,7 +130,7 @@ def pretrained_step(path: str) -> int:
     source = detect_format(path)
     if source == "t5tpu":
         return _t5tpu_step_dir(path)[1]
-    return IMPORTERS[source].load_step(path)
+    return IMPORTERS[source](path).step
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,12 +223,12 @@ def to_t5tpu(
         raise UserError(
             f"{input_path} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it"
         )
-    importer = IMPORTERS[source]
     _check_output(output_dir, input_path, overwrite)
-    config = importer.load_config(input_path)
-    step = importer.load_step(input_path)
-    params = importer.load_params(input_path, param_mapping.abstract_params(config))
-    vocabulary = importer.vocabulary(input_path)
+    reader = IMPORTERS[source](input_path)
+    config = reader.config()
+    step = reader.step
+    params = reader.load(param_mapping.abstract_params(config))
+    vocabulary = reader.vocabulary()
 
     output_dir = _absolute(output_dir)
     _replace_output(output_dir)

@@ -16,6 +16,7 @@ reads and writes beside its checkpoints (TensorFlow's gs:// client on a TPU VM, 
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
@@ -52,7 +53,6 @@ _ALWAYS_IGNORED = (
     "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
 )
 _EMBEDDING = "token_embedder/embedding"
-_LOGITS = "decoder/logits_dense/kernel"
 
 # ---------------------------------------------------------------------------------------------
 # config.json <-> T5Config
@@ -147,59 +147,20 @@ def _read_json(path: str) -> dict:
     return json.loads(epath.Path(path).read_text())
 
 
-def read_hf_config(directory: str) -> dict:
-    path = os.path.join(directory, CONFIG_FILE)
-    if not epath.Path(path).exists():
-        raise UserError(f"no {CONFIG_FILE} in {directory}; point at a Hugging Face T5 directory")
-    try:
-        return _read_json(path)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
-
-
-def load_config(directory: str) -> T5Config:
-    return config_from_hf(read_hf_config(directory), os.path.join(directory, CONFIG_FILE))
-
-
-def load_step(directory: str) -> int:
-    del directory  # Hugging Face directories do not record a training step
-    return 0
-
-
-def is_hf_directory(path: str) -> bool:
-    return epath.Path(path, CONFIG_FILE).exists()
-
-
-def vocabulary(directory: str) -> VocabularySource:
-    """The vocabulary a Hugging Face directory carries: spiece.model, ByT5's bytes, or none."""
-    return hf_tokenizer.read(directory)
-
-
 # ---------------------------------------------------------------------------------------------
 # names and layouts
 
 
-def hf_name(name: str) -> str:
-    """The Hugging Face name of a t5tpu parameter."""
-    if name == _EMBEDDING:
-        return "shared.weight"
-    if name == _LOGITS:
-        return "lm_head.weight"
-    stack = name.split("/")[0]
-    if name == f"{stack}/relpos_bias/rel_embedding":
-        return f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    if name == f"{stack}/{stack}_norm/scale":
-        return f"{stack}.final_layer_norm.weight"
-    param = param_mapping.parse_layer_param(name)
-    if param is None:
-        raise ValueError(f"no Hugging Face name for t5tpu parameter {name}")
-    sublayer, t5_module = param.t5_sublayer
-    prefix = f"{param.stack}.block.{param.index}.layer.{sublayer}.{t5_module}"
-    if t5_module == "layer_norm":
-        return f"{prefix}.weight"
-    if t5_module == "DenseReluDense":
-        return f"{prefix}.{param.part}.weight"
-    return f"{prefix}.{param_mapping.T5_PROJECTIONS[param.part]}.weight"
+# Hugging Face's name of each t5tpu parameter: the `t5` library's, spelled as torch modules.
+NAMES = param_mapping.T5Names(
+    embedding="shared.weight",
+    logits="lm_head.weight",
+    relpos_bias="{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    final_norm="{stack}.final_layer_norm.weight",
+    layer_norm="{stack}.block.{index}.layer.{sublayer}.layer_norm.weight",
+    mlp="{stack}.block.{index}.layer.{sublayer}.DenseReluDense.{part}.weight",
+    attention="{stack}.block.{index}.layer.{sublayer}.{module}.{part}.weight",
+)
 
 
 def _transposed(name: str, flat_shape: tuple[int, ...]) -> bool:
@@ -207,26 +168,9 @@ def _transposed(name: str, flat_shape: tuple[int, ...]) -> bool:
     return len(flat_shape) == 2 and name != _EMBEDDING
 
 
-def _hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    flat = param_mapping.flat_layout_shape(name, shape)
-    return flat[::-1] if _transposed(name, flat) else flat
-
-
 def to_hf(name: str, array) -> np.ndarray:
     flat = param_mapping.to_flat_layout(name, param_mapping.as_float32(array))
     return np.ascontiguousarray(flat.T if _transposed(name, flat.shape) else flat)
-
-
-def _from_hf(name: str, shape: tuple[int, ...]):
-    transposed = _transposed(name, param_mapping.flat_layout_shape(name, shape))
-    return lambda array: (array.T if transposed else array).reshape(shape)
-
-
-def import_plan(abstract_params) -> dict[str, param_mapping.Source]:
-    return {
-        name: param_mapping.Source(hf_name(name), _hf_shape(name, shape), _from_hf(name, shape))
-        for name, shape in param_mapping.model_shapes(abstract_params).items()
-    }
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,29 +245,6 @@ class TorchFile:
         return self._tensors[name].float().numpy()
 
 
-class WeightStore:
-    """The tensors of a Hugging Face directory, across however many shard files they are in."""
-
-    def __init__(self, directory: str):
-        self._files = {}  # tensor name -> SafetensorsFile | TorchFile
-        for base, reader in ((SAFETENSORS_FILE, SafetensorsFile), (TORCH_FILE, TorchFile)):
-            shards = _shard_files(directory, base)
-            if shards:
-                for shard in shards:
-                    opened = reader(os.path.join(directory, shard))
-                    self._files.update(dict.fromkeys(opened.shapes(), opened))
-                return
-        raise UserError(
-            f"no {SAFETENSORS_FILE} or {TORCH_FILE} (or their {INDEX_SUFFIX}) in {directory}"
-        )
-
-    def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: opened.shapes()[name] for name, opened in self._files.items()}
-
-    def read(self, name: str) -> np.ndarray:
-        return self._files[name].read(name)
-
-
 def _shard_files(directory: str, base: str) -> list[str]:
     """[base] if the single file exists, else the files its index lists, else []."""
     if epath.Path(directory, base).exists():
@@ -338,20 +259,74 @@ def _shard_files(directory: str, base: str) -> list[str]:
 # import and export
 
 
-def load_params(directory: str, abstract_params, shardings=None):
-    """The parameters of a Hugging Face T5 directory, mapped onto a t5tpu tree shaped like
-    `abstract_params`; a UserError lists the names and shapes that differ from the model."""
-    tied = read_hf_config(directory).get("tie_word_embeddings", True)
-    ignored = set(_ALWAYS_IGNORED) | ({"lm_head.weight"} if tied else set())
-    store = WeightStore(directory)
-    found = {name: shape for name, shape in store.shapes().items() if name not in ignored}
-    return param_mapping.load_mapped(
-        f"Hugging Face checkpoint {directory}",
-        found,
-        store.read,
-        import_plan(abstract_params),
-        shardings,
-    )
+class HFCheckpoint(param_mapping.CheckpointReader):
+    """A Hugging Face T5 directory. config.json and the weight files are read when first
+    needed (a pytorch_model.bin is read whole): the step and the vocabulary need neither."""
+
+    step = 0  # Hugging Face directories do not record a training step
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.description = f"Hugging Face checkpoint {directory}"
+
+    @staticmethod
+    def recognizes(path: str) -> bool:
+        return epath.Path(path, CONFIG_FILE).exists()
+
+    def config(self) -> T5Config:
+        return config_from_hf(self._config_json, os.path.join(self.directory, CONFIG_FILE))
+
+    def vocabulary(self) -> VocabularySource:
+        """spiece.model, ByT5's bytes, or none."""
+        return hf_tokenizer.read(self.directory)
+
+    def stored_name(self, name: str) -> str:
+        return NAMES(name)
+
+    def source(self, name: str, shape: tuple[int, ...]) -> param_mapping.Source:
+        flat = param_mapping.flat_layout_shape(name, shape)
+        if not _transposed(name, flat):
+            return super().source(name, shape)
+        return param_mapping.Source(NAMES(name), flat[::-1], lambda array: array.T.reshape(shape))
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        tied = self._config_json.get("tie_word_embeddings", True)
+        ignored = set(_ALWAYS_IGNORED) | ({"lm_head.weight"} if tied else set())
+        return {
+            name: opened.shapes()[name]
+            for name, opened in self._files.items()
+            if name not in ignored
+        }
+
+    def read(self, stored_name: str) -> np.ndarray:
+        return self._files[stored_name].read(stored_name)
+
+    @functools.cached_property
+    def _config_json(self) -> dict:
+        path = os.path.join(self.directory, CONFIG_FILE)
+        if not epath.Path(path).exists():
+            raise UserError(
+                f"no {CONFIG_FILE} in {self.directory}; point at a Hugging Face T5 directory"
+            )
+        try:
+            return _read_json(path)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path} is not valid JSON ({e})") from None
+
+    @functools.cached_property
+    def _files(self) -> dict:
+        """Tensor name -> the SafetensorsFile or TorchFile holding it, across the shards."""
+        for base, reader in ((SAFETENSORS_FILE, SafetensorsFile), (TORCH_FILE, TorchFile)):
+            shards = _shard_files(self.directory, base)
+            if shards:
+                files = {}
+                for shard in shards:
+                    opened = reader(os.path.join(self.directory, shard))
+                    files.update(dict.fromkeys(opened.shapes(), opened))
+                return files
+        raise UserError(
+            f"no {SAFETENSORS_FILE} or {TORCH_FILE} (or their {INDEX_SUFFIX}) in {self.directory}"
+        )
 
 
 def export(
@@ -365,7 +340,7 @@ def export(
     pipeline("text2text-generation") load offline. The tensors are the ones save_pretrained
     writes: no per-stack copies of the embedding, lm_head only when it is not tied."""
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
-    tensors = {hf_name(name): to_hf(name, array) for name, array in flat.items()}
+    tensors = {NAMES(name): to_hf(name, array) for name, array in flat.items()}
     output = epath.Path(output_dir)
     output.mkdir(parents=True, exist_ok=True)
     hf_tokenizer.write_json(output / CONFIG_FILE, hf_config(config))

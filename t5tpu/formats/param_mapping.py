@@ -1,9 +1,11 @@
-"""Mapping another checkpoint's named tensors onto t5tpu's parameter tree.
+"""The interface of the checkpoint formats t5tpu imports, and what they share.
 
-The importers (hf_format, t5x_format, mesh_tf_format) each say, for every t5tpu parameter, which
-tensor of the source holds it and how to bring it into t5tpu's layout; this module checks the
-source against the model (names and shapes, all listed in one error) before reading anything,
-then reads and converts tensor by tensor.
+Each format (hf_format, t5x_format, mesh_tf_format) is a CheckpointReader: it recognizes its
+checkpoints and, opened at a path, gives their step, geometry and vocabulary, and the one name
+table that says under which name it stores each t5tpu parameter (the `t5` library's names, in
+T5Names, for Mesh TF and Hugging Face; t5tpu's own for T5X). Loading is shared: the stored names
+and shapes are checked against the model (all differences in one error) before anything is read,
+then tensors are read and converted one by one.
 
 Layouts: t5tpu keeps attention kernels 3-D ([embed, heads, kv] and [heads, kv, embed]); T5X and
 Mesh TensorFlow store them 2-D ([embed, heads*kv], [heads*kv, embed], heads major), the "flat
@@ -12,6 +14,7 @@ layout" below. Every other parameter has the same shape in all three.
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import re
 from collections.abc import Callable, Mapping
@@ -23,12 +26,13 @@ import numpy as np
 from flax import traverse_util
 
 from t5tpu.errors import UserError
+from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage.checkpoints import flat_shapes, geometry_differences
 
 # Sublayers of a T5 block as the `t5` library and Hugging Face number and name them:
 # t5tpu module name -> (sublayer index, T5 module name).
-T5_SUBLAYERS = {
+_T5_SUBLAYERS = {
     "encoder": {
         "pre_attention_layer_norm": (0, "layer_norm"),
         "attention": (0, "SelfAttention"),
@@ -44,31 +48,49 @@ T5_SUBLAYERS = {
         "mlp": (2, "DenseReluDense"),
     },
 }
-T5_PROJECTIONS = {"query": "q", "key": "k", "value": "v", "out": "o"}
+_T5_PROJECTIONS = {"query": "q", "key": "k", "value": "v", "out": "o"}
 
 _LAYER_PARAM = re.compile(r"(encoder|decoder)/layers_(\d+)/(\w+)/(\w+)(?:/(\w+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
-class LayerParam:
-    """A parameter inside one encoder/decoder layer, e.g. encoder/layers_3/mlp/wi_0/kernel."""
+class T5Names:
+    """How a format spells the `t5` library's parameter names, which Mesh TF and Hugging Face
+    both follow: format strings over {stack}, {index} (the block), {sublayer}, {module}
+    ('SelfAttention', 'EncDecAttention', ...) and {part} ('q', 'wi_0', ...)."""
 
-    stack: str
-    index: int
-    module: str  # 'attention', 'mlp', 'pre_mlp_layer_norm', ...
-    part: str  # 'query', 'wi_0', 'scale', ...
+    embedding: str
+    logits: str
+    relpos_bias: str
+    final_norm: str
+    layer_norm: str
+    mlp: str
+    attention: str
 
-    @property
-    def t5_sublayer(self) -> tuple[int, str]:
-        return T5_SUBLAYERS[self.stack][self.module]
-
-
-def parse_layer_param(name: str) -> LayerParam | None:
-    match = _LAYER_PARAM.match(name)
-    if not match:
-        return None
-    stack, index, module, part, _ = match.groups()
-    return LayerParam(stack, int(index), module, part)
+    def __call__(self, name: str) -> str:
+        """The format's name of t5tpu parameter `name`."""
+        stack = name.split("/")[0]
+        outside_layers = {
+            "token_embedder/embedding": self.embedding,
+            "decoder/logits_dense/kernel": self.logits,
+            f"{stack}/relpos_bias/rel_embedding": self.relpos_bias,
+            f"{stack}/{stack}_norm/scale": self.final_norm,
+        }
+        if name in outside_layers:
+            return outside_layers[name].format(stack=stack)
+        match = _LAYER_PARAM.match(name)
+        if not match:
+            raise ValueError(f"no `t5` library name for t5tpu parameter {name}")
+        stack, index, module, part, _ = match.groups()
+        sublayer, t5_module = _T5_SUBLAYERS[stack][module]
+        by_module = {"layer_norm": self.layer_norm, "DenseReluDense": self.mlp}
+        return by_module.get(t5_module, self.attention).format(
+            stack=stack,
+            index=int(index),
+            sublayer=sublayer,
+            module=t5_module,
+            part=_T5_PROJECTIONS.get(part, part),
+        )
 
 
 def _is_attention(name: str, projections: tuple[str, ...]) -> bool:
@@ -109,39 +131,71 @@ class Source:
     to_model: Callable[[np.ndarray], np.ndarray]
 
 
-def load_mapped(
-    description: str,
-    found: Mapping[str, tuple[int, ...]],
-    read: Callable[[str], np.ndarray],
-    plan: Mapping[str, Source],
-    shardings=None,
-):
-    """Reads every parameter of `plan` (t5tpu name -> Source) from a checkpoint whose tensors
-    are `found` (source name -> shape; optimizer state and aliases already left out).
+class CheckpointReader(abc.ABC):
+    """One checkpoint of a format t5tpu imports, at a path; what cannot be read is a one-line
+    UserError. The defaults are what T5X and Mesh TF share: the flat layout, the geometry read
+    off the shapes, no vocabulary recorded."""
 
-    Refuses, before reading anything, a checkpoint whose names or shapes differ from the plan.
-    Returns the nested parameter tree: float32 numpy arrays, or jax arrays placed with
-    `shardings` (a tree like the parameters) so that only one host copy exists at a time.
-    """
-    expected = {source.name: source.shape for source in plan.values()}
-    differences = geometry_differences(dict(found), expected)
-    if differences:
-        raise UserError(
-            f"{description} has another geometry than the model ({differences}); use the model "
-            "gin file that matches it (`t5tpu convert` writes one)"
-        )
-    flat_shardings = traverse_util.flatten_dict(shardings, sep="/") if shardings is not None else {}
-    params = {}
-    for name, source in plan.items():
-        array = source.to_model(as_float32(read(source.name)))
-        if name in flat_shardings:
-            # Every host holds the whole array and hands each of its devices its slice, which
-            # works whether or not the sharding spans other hosts' devices.
-            array = jax.make_array_from_callback(
-                array.shape, flat_shardings[name], lambda index, array=array: array[index]
+    description: str  # how errors name it: "T5X checkpoint DIR"
+
+    @staticmethod
+    @abc.abstractmethod
+    def recognizes(path: str) -> bool:
+        """Whether `path` holds a checkpoint of this format."""
+
+    @property
+    @abc.abstractmethod
+    def step(self) -> int:
+        """The training step it was saved at (0 where the format records none)."""
+
+    @abc.abstractmethod
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Stored name -> shape of each parameter (optimizer state, aliases, copies left out)."""
+
+    @abc.abstractmethod
+    def read(self, stored_name: str) -> np.ndarray: ...
+
+    def stored_name(self, name: str) -> str:
+        """The name it stores t5tpu parameter `name` under (T5X's are t5tpu's)."""
+        return name
+
+    def source(self, name: str, shape: tuple[int, ...]) -> Source:
+        """The stored tensor that holds parameter `name` of the model's `shape`."""
+        flat = flat_layout_shape(name, shape)
+        return Source(self.stored_name(name), flat, lambda array: array.reshape(shape))
+
+    def config(self) -> T5Config:
+        return config_from_flat_shapes(self.shapes(), self.stored_name)
+
+    def vocabulary(self) -> VocabularySource:
+        return VocabularySource()  # T5X and Mesh TF checkpoints do not record theirs
+
+    def load(self, abstract_params, shardings=None):
+        """The parameters, as a tree like `abstract_params`: float32 numpy arrays, or jax arrays
+        placed with `shardings` (a tree like the parameters) so that only one host copy exists
+        at a time. Names and shapes that differ from the model are refused before anything is
+        read, all listed in one UserError."""
+        model = model_shapes(abstract_params)
+        plan = {name: self.source(name, shape) for name, shape in model.items()}
+        expected = {source.name: source.shape for source in plan.values()}
+        differences = geometry_differences(self.shapes(), expected)
+        if differences:
+            raise UserError(
+                f"{self.description} has another geometry than the model ({differences}); use "
+                "the model gin file that matches it (`t5tpu convert` writes one)"
             )
-        params[name] = array
-    return traverse_util.unflatten_dict(params, sep="/")
+        flat_shardings = traverse_util.flatten_dict(shardings or {}, sep="/")
+        params = {}
+        for name, source in plan.items():
+            array = source.to_model(as_float32(self.read(source.name)))
+            if name in flat_shardings:
+                # Every host holds the whole array and hands each of its devices its slice,
+                # which works whether or not the sharding spans other hosts' devices.
+                array = jax.make_array_from_callback(
+                    array.shape, flat_shardings[name], lambda index, array=array: array[index]
+                )
+            params[name] = array
+        return traverse_util.unflatten_dict(params, sep="/")
 
 
 def model_shapes(abstract_params) -> dict[str, tuple[int, ...]]:
@@ -149,37 +203,51 @@ def model_shapes(abstract_params) -> dict[str, tuple[int, ...]]:
     return flat_shapes(abstract_params)
 
 
-def config_from_flat_shapes(shapes: Mapping[str, tuple[int, ...]]) -> T5Config:
-    """The T5Config of a checkpoint in t5tpu names and the flat layout (T5X, Mesh TF).
+def _unchanged(name: str) -> str:
+    return name
+
+
+def config_from_flat_shapes(
+    shapes: Mapping[str, tuple[int, ...]], stored_name: Callable[[str], str] = _unchanged
+) -> T5Config:
+    """The T5Config of a checkpoint in the flat layout (T5X, Mesh TF), whose name for each
+    t5tpu parameter `stored_name` gives (default: t5tpu's own).
 
     What shapes cannot tell is taken as T5 does: a gated feed-forward (wi_0/wi_1) is T5 1.1's
     gated-GELU, and relative positions saturate at distance 128.
     """
 
+    def has(name):
+        return stored_name(name) in shapes
+
     def need(name):
-        if name not in shapes:
-            raise UserError(f"checkpoint has no {name}; is it a T5 encoder-decoder checkpoint?")
-        return shapes[name]
+        if not has(name):
+            raise UserError(
+                f"checkpoint has no {stored_name(name)}; is it a T5 encoder-decoder checkpoint?"
+            )
+        return shapes[stored_name(name)]
+
+    def count(stack):
+        layers = 0
+        while has(f"{stack}/layers_{layers}/pre_mlp_layer_norm/scale"):
+            layers += 1
+        return layers
 
     vocab_size, emb_dim = need("token_embedder/embedding")
     num_heads, num_buckets = need("encoder/relpos_bias/rel_embedding")
     joined_kv = need("encoder/layers_0/attention/query/kernel")[1]
-    mlp_dim = need("encoder/layers_0/mlp/wo/kernel")[0]
-    gated = "encoder/layers_0/mlp/wi_0/kernel" in shapes
-
-    def count(stack):
-        return len({n.split("/")[1] for n in shapes if n.startswith(f"{stack}/layers_")})
-
     return T5Config(
         vocab_size=vocab_size,
         emb_dim=emb_dim,
         num_heads=num_heads,
         head_dim=joined_kv // num_heads,
-        mlp_dim=mlp_dim,
+        mlp_dim=need("encoder/layers_0/mlp/wo/kernel")[0],
         num_encoder_layers=count("encoder"),
         num_decoder_layers=count("decoder"),
-        mlp_activations=("gelu", "linear") if gated else ("relu",),
-        logits_via_embedding="decoder/logits_dense/kernel" not in shapes,
+        mlp_activations=(
+            ("gelu", "linear") if has("encoder/layers_0/mlp/wi_0/kernel") else ("relu",)
+        ),
+        logits_via_embedding=not has("decoder/logits_dense/kernel"),
         relative_attention_num_buckets=num_buckets,
     )
 

@@ -27,8 +27,6 @@ from flax import serialization
 
 from t5tpu.errors import UserError
 from t5tpu.formats import param_mapping
-from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model.network import T5Config
 
 INDEX_FILE = "checkpoint"
 _TF_STATE_MAGIC = b"model_checkpoint_path"  # a TF checkpoint state file, also named `checkpoint`
@@ -40,14 +38,6 @@ def checkpoint_dir(path: str) -> str:
     if os.path.basename(path) == INDEX_FILE and not epath.Path(path).is_dir():
         return os.path.dirname(path)
     return path
-
-
-def is_t5x_checkpoint(path: str) -> bool:
-    index = epath.Path(checkpoint_dir(path), INDEX_FILE)
-    if not index.exists() or index.is_dir():
-        return False
-    with index.open("rb") as f:
-        return not f.read(len(_TF_STATE_MAGIC)).startswith(_TF_STATE_MAGIC)
 
 
 def _is_tensorstore_spec(leaf) -> bool:
@@ -64,12 +54,13 @@ def _flatten(tree, prefix: str = "") -> dict:
     return flat
 
 
-class T5XCheckpoint:
+class T5XCheckpoint(param_mapping.CheckpointReader):
     """The parameters ('target') of one T5X checkpoint directory, read lazily."""
 
     def __init__(self, path: str):
         self.directory = checkpoint_dir(path)
-        if not is_t5x_checkpoint(self.directory):
+        self.description = f"T5X checkpoint {self.directory}"
+        if not self.recognizes(self.directory):
             raise UserError(
                 f"{self.directory} is not a T5X checkpoint (no msgpack `{INDEX_FILE}` file); "
                 "point at a checkpoint_<step> directory"
@@ -85,6 +76,15 @@ class T5XCheckpoint:
             raise UserError(f"{index} has no 'target' parameters; is it a T5X checkpoint?")
         self._leaves = _flatten(state["target"])
         self._step = state.get("state", {}).get("step")
+
+    @staticmethod
+    def recognizes(path: str) -> bool:
+        """A `checkpoint` file in msgpack, not TensorFlow's checkpoint state (Mesh TF's)."""
+        index = epath.Path(checkpoint_dir(path), INDEX_FILE)
+        if not index.exists() or index.is_dir():
+            return False
+        with index.open("rb") as f:
+            return not f.read(len(_TF_STATE_MAGIC)).startswith(_TF_STATE_MAGIC)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: self._shape(leaf) for name, leaf in self._leaves.items()}
@@ -125,42 +125,3 @@ class T5XCheckpoint:
         else:
             kvstore = {"driver": "file", "path": os.path.join(self.directory, relative)}
         return {"driver": spec.get("driver", "zarr"), "kvstore": kvstore}
-
-
-def load_config(path: str) -> T5Config:
-    """The geometry of a T5X checkpoint, from its parameter shapes (see
-    param_mapping.config_from_flat_shapes for what shapes cannot tell)."""
-    return param_mapping.config_from_flat_shapes(T5XCheckpoint(path).shapes())
-
-
-def load_step(path: str) -> int:
-    return T5XCheckpoint(path).step
-
-
-def vocabulary(path: str) -> VocabularySource:
-    del path  # T5X checkpoints do not carry their vocabulary
-    return VocabularySource()
-
-
-def import_plan(abstract_params) -> dict[str, param_mapping.Source]:
-    return {
-        name: param_mapping.Source(
-            name,
-            param_mapping.flat_layout_shape(name, shape),
-            lambda array, shape=shape: array.reshape(shape),
-        )
-        for name, shape in param_mapping.model_shapes(abstract_params).items()
-    }
-
-
-def load_params(path: str, abstract_params, shardings=None):
-    """The 'target' parameters of a T5X checkpoint, mapped onto a tree like `abstract_params`;
-    a UserError lists the names and shapes that differ from the model."""
-    checkpoint = T5XCheckpoint(path)
-    return param_mapping.load_mapped(
-        f"T5X checkpoint {checkpoint.directory}",
-        checkpoint.shapes(),
-        checkpoint.read,
-        import_plan(abstract_params),
-        shardings,
-    )
