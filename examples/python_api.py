@@ -8,6 +8,8 @@ The same calls work on a TPU VM with a real experiment gin and a gs:// MODEL_DIR
 
 import argparse
 
+from t5tpu.tasks import quora
+
 import t5tpu
 
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
@@ -30,7 +32,7 @@ def main() -> None:
     model = t5tpu.load(model_dir)
     print(model)
     for question1, question2 in PAIRS:
-        verdict = model.is_duplicate(question1, question2)
+        verdict = quora.is_duplicate(model, question1, question2)
         print(f"is_duplicate({question1!r}, {question2!r}) = {verdict}")
     print(model.predict(["is duplicate: how do i sleep better? <SEP> how can i sleep well?"]))
 

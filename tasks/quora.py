@@ -11,6 +11,7 @@ directory is `qqp_tfds_data_dir.path`. Every source is mapped to the same fields
 question2, is_duplicate) first, so the preprocessors after that are shared.
 
 Registered by `register`, which t5tpu.tasks.register_builtin_tasks calls once gin is parsed.
+`is_duplicate` and `similar_question` ask a model trained on these tasks, in the tasks' words.
 """
 
 from __future__ import annotations
@@ -254,3 +255,47 @@ def register(vocabulary: seqio.Vocabulary) -> list[str]:
             registered.append(_add_task(kind + suffix, source, first_steps, vocabulary))
         registered.append(_add_mixture(MIXTURE_NAME + suffix, suffix))
     return [item.name for item in registered]
+
+
+# --- asking a trained model ------------------------------------------------------------------
+# Prompts are made by the registered task's own preprocessors, so a model is asked exactly as
+# it was trained (lower-cased or not, as `normalize_questions.normalize` is bound in gin).
+
+
+def is_duplicate_prompt(question1: str, question2: str) -> str:
+    """The qp_is_duplicate input for a pair of questions."""
+    return registry.preprocessed_input(
+        TASK_NAME,
+        {
+            "id": tf.constant(0, tf.int64),
+            "question1": question1,
+            "question2": question2,
+            "is_duplicate": tf.constant(0, tf.int64),
+        },
+    )
+
+
+def similar_question_prompt(question: str) -> str:
+    """The generate_similar_question input for a question."""
+    # The task keeps duplicate pairs only: the placeholder pair is marked as one.
+    return registry.preprocessed_input(
+        SIMILAR_TASK_NAME,
+        {
+            "id": tf.constant(0, tf.int64),
+            "question1": question,
+            "question2": question,
+            "is_duplicate": tf.constant(1, tf.int64),
+        },
+    )
+
+
+def is_duplicate(model: registry.TextModel, question1: str, question2: str) -> bool:
+    """Whether a model trained on qp_is_duplicate takes the two questions to ask the same thing."""
+    prediction = model.predict([is_duplicate_prompt(question1, question2)], max_length=4)[0]
+    return strip_output(prediction) == metrics.POSITIVE_LABEL
+
+
+def similar_question(model: registry.TextModel, question: str, **decoding_settings) -> str:
+    """A question like `question`, from a model trained on generate_similar_question;
+    decoding_settings are T5Model.predict's (num_beams, temperature, ...)."""
+    return model.predict([similar_question_prompt(question)], **decoding_settings)[0]

@@ -6,9 +6,17 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from typing import Protocol
 
 from t5tpu.errors import UserError
-from t5tpu.runtime.lazy_imports import seqio
+from t5tpu.runtime.lazy_imports import seqio, tf
+
+
+class TextModel(Protocol):
+    """What the tasks' helpers ask of a model (t5tpu.api's T5Model, which this layer does not
+    import): output text for each input text."""
+
+    def predict(self, inputs: list[str], **decoding_settings) -> list[str]: ...
 
 
 def add_text_task(
@@ -73,3 +81,13 @@ def get_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture
             f"unknown task or mixture {name!r}; known: {known}. Set MIXTURE_OR_TASK_NAME, and "
             "MIXTURE_OR_TASK_MODULE to the module that registers it"
         ) from None
+
+
+def preprocessed_input(task_name: str, example: dict) -> str:
+    """The model input that registered task `task_name` makes of one raw `example`, so the
+    tasks' helpers ask a model exactly as it saw inputs in training (seqio keeps the text before
+    tokenizing as "inputs_pretokenized")."""
+    task = get_task(task_name)
+    dataset = task.preprocess_precache(tf.data.Dataset.from_tensors(example))
+    (processed,) = list(dataset.as_numpy_iterator())
+    return processed["inputs_pretokenized"].decode("utf-8")

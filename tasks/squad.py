@@ -1,39 +1,12 @@
-"""SQuAD v1.1 and v2.0 as text-to-text seqio tasks: squad_v1 and squad_v2.
+"""SQuAD v1.1 and v2.0 as text-to-text seqio tasks, squad_v1 and squad_v2, and `answer`, which
+asks a model trained on them.
 
 Input "question: <question> context: <context>" (T5's format), target the first gold answer;
 every gold answer is kept in the feature "answers" for scoring (t5tpu.tasks.squad_metrics).
-v2.0's unanswerable questions have the target NO_ANSWER ("unanswerable"); a prediction of exactly
-that string is scored as the empty answer, which is how the official v2 script reads "no answer".
-
-Source, chosen in gin (squad_v1_source / squad_v2_source, read when the tasks are registered):
-official JSON files in the dev-v1.1.json format given by path (local or gs://), for example
-
-    squad_v1_source.train_file = %SQUAD_V1_TRAIN_FILE
-    squad_v1_source.validation_file = %SQUAD_V1_VALIDATION_FILE
-
-or, when no file is bound, tensorflow-datasets' squad/v1.1 and squad/v2.0 (train and validation;
-`tfds_data_dir` picks where tfds keeps them; tfds downloads them where there is internet).
-
-Long contexts are truncated, not split into windows: the question comes first, so the question
-is always kept, and the input is cut to the feature length (EOS kept last), which loses the answer
-when it lies past the cut. Windows would need several predictions per question merged into one,
-which seqio's evaluator does not do. Measured on dev-v1.1.json (10,570 questions) with the bundled
-1,024-piece CPU vocabulary (about 2.24 characters per token; by sentencepiece byte offsets of the
-first 'inputs' - 1 pieces of each input against each answer's end):
-
-    inputs length   inputs truncated   first answer lost   every gold answer lost
-    256             9,124 (86.3%)      2,630 (24.9%)       2,436 (23.0%)
-    512             1,559 (14.7%)        238 (2.25%)         211 (2.00%)
-    1024               68 (0.64%)         10 (0.09%)           8 (0.08%)
-
-(dev-v2.0 part A, 1,278 answerable of 2,805: 60 first answers lost at 512, 8 at 1024.)
-The real T5 vocabulary (32,000 pieces) tokenizes English far shorter, so it loses fewer; it is
-not available offline, so that was not measured. Its loss lies between the bundled vocabulary's
-and the best case of one piece per whitespace-separated word, in which no answer of dev-v1.1
-ends past word 511 (none lost at 512).
-
-Targets are cut to the 'targets' length too: with the bundled vocabulary 339 first answers of
-dev-v1.1 (3.2%) are longer than 31 pieces, 1,638 (15.5%) longer than 15 (mean 10.1 pieces).
+v2.0's unanswerable questions have the target NO_ANSWER ("unanswerable"), which is scored as the
+empty answer. Sources are official JSON files bound in gin (squad_v1_source / squad_v2_source),
+else tensorflow-datasets' squad/v1.1 and squad/v2.0. Long contexts are truncated, question first,
+not split into windows (docs/PERFORMANCE.md, "SQuAD", says how many answers that loses).
 """
 
 from __future__ import annotations
@@ -243,3 +216,37 @@ def register(vocabulary: seqio.Vocabulary) -> list[seqio.Task]:
         _add_task(V1_TASK, squad_v1_source(), vocabulary, postprocess_v1, squad_metrics.squad_v1),
         _add_task(V2_TASK, squad_v2_source(), vocabulary, postprocess_v2, squad_metrics.squad_v2),
     ]
+
+
+# --- asking a trained model -----------------------------------------------------------------
+
+
+def answer_prompt(question: str, context: str, *, task: str = V1_TASK) -> str:
+    """The input that `task` (squad_v1 or squad_v2) makes of a question and its context."""
+    return registry.preprocessed_input(
+        task,
+        {
+            "id": "",
+            "title": "",
+            "question": question,
+            "context": context,
+            # Only the target is made from the answers: a placeholder answer (an empty list has
+            # a static shape the format step cannot index in graph mode).
+            "answers": {"text": tf.constant([""]), "answer_start": tf.constant([0], tf.int32)},
+        },
+    )
+
+
+def answer(
+    model: registry.TextModel,
+    question: str,
+    context: str,
+    *,
+    task: str = V1_TASK,
+    **decoding_settings,
+) -> str:
+    """A SQuAD-trained model's answer ("" when a squad_v2 model finds none in the context);
+    decoding_settings are T5Model.predict's (num_beams, max_length, ...)."""
+    prompt = answer_prompt(question, context, task=task)
+    prediction = model.predict([prompt], **decoding_settings)[0]
+    return registry.get_task(task).postprocess_fn(prediction, example=None, is_target=False)

@@ -5,9 +5,11 @@ programs."""
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
+import weakref
 
 import jax
 import numpy as np
@@ -15,9 +17,9 @@ import pytest
 import torch
 import transformers
 from cli_runs import ROOT, TINY_EXPERIMENT, read_jsonl, succeeded, t5tpu
+from t5tpu.tasks import quora, squad
 
 from t5tpu import api
-from t5tpu.api import prompts
 from t5tpu.errors import UserError
 
 STEPS = 60
@@ -155,17 +157,53 @@ def test_repeated_calls_of_similar_size_reuse_one_compiled_program(model):
     assert decoder._cache_size() == compiled
 
 
+def test_a_deleted_model_frees_its_parameters(model_dir):
+    # Compiled programs cached on the class, not the object, kept every model ever loaded alive.
+    model = api.load(model_dir, batch_size=4)
+    model.predict(["is duplicate: a <SEP> b"])
+    model.score(["is duplicate: a <SEP> b"], ["1"])
+    ids = np.array([model.vocabulary.encode("a") + [1]], np.int32)
+    model.logits(ids, np.zeros((1, 2), np.int32))
+    param = weakref.ref(jax.tree_util.tree_leaves(model.params)[0])
+    assert isinstance(param(), jax.Array)
+    del model
+    gc.collect()
+    assert param() is None, "the deleted model's parameters are still alive"
+
+
 def test_task_helpers_use_the_tasks_own_preprocessing(model):
     # Quora's tasks lower-case and drop double quotes before formatting, as in training.
-    assert prompts.quora_pair('How do I "Learn" X?', "Why Y?") == (
+    assert quora.is_duplicate_prompt('How do I "Learn" X?', "Why Y?") == (
         "is duplicate: how do i learn x? <SEP> why y?"
     )
-    assert prompts.similar_question("How Do I Cook?") == "generate similar question: how do i cook?"
-    assert prompts.squad("Who?", "Ada did.") == "question: Who? context: Ada did."
-    assert prompts.postprocess("squad_v2", " unanswerable ") == ""
-    verdict = model.is_duplicate("How do I cook rice?", "How to cook rice?")
-    expected = model.predict([prompts.quora_pair("How do I cook rice?", "How to cook rice?")])
-    assert verdict == (expected[0].strip() == "1")
+    assert quora.similar_question_prompt("How Do I Cook?") == (
+        "generate similar question: how do i cook?"
+    )
+    assert squad.answer_prompt("Who?", "Ada did.") == "question: Who? context: Ada did."
+    pair = ("How do I cook rice?", "How to cook rice?")
+    [expected] = model.predict([quora.is_duplicate_prompt(*pair)])
+    assert quora.is_duplicate(model, *pair) == (expected.strip() == "1")
+    [paraphrase] = model.predict([quora.similar_question_prompt("How?")], num_beams=2)
+    assert quora.similar_question(model, "How?", num_beams=2) == paraphrase
+
+
+class _Says:
+    """A model that answers every input with one text, and records what it was asked."""
+
+    def __init__(self, text: str):
+        self.text, self.asked = text, []
+
+    def predict(self, inputs: list[str], **decoding_settings) -> list[str]:
+        self.asked.append((inputs, decoding_settings))
+        return [self.text] * len(inputs)
+
+
+def test_squad_answer_post_processes_as_its_task():
+    # squad_v2's "unanswerable" is the empty answer; squad_v1 keeps it as text.
+    model = _Says(" unanswerable ")
+    assert squad.answer(model, "Who?", "Ada did.", task=squad.V2_TASK, num_beams=3) == ""
+    assert model.asked == [(["question: Who? context: Ada did."], {"num_beams": 3})]
+    assert squad.answer(model, "Who?", "Ada did.") == "unanswerable"
 
 
 def test_a_named_step_and_bad_calls(model_dir, model):

@@ -3,7 +3,9 @@
     import t5tpu
     model = t5tpu.load("/tmp/t5tpu_demo")          # a MODEL_DIR, HF directory or T5X checkpoint
     model.predict(["is duplicate: how do i learn python? <SEP> how to learn python?"])
-    model.is_duplicate("How do I learn Python?", "How can I learn Python?")
+
+    from t5tpu.tasks import quora                  # a task's own questions, asked as it trained
+    quora.is_duplicate(model, "How do I learn Python?", "How can I learn Python?")
 
 Everything here is also reachable as `t5tpu.load` / `t5tpu.finetune`; importing `t5tpu` alone
 imports neither jax nor TensorFlow. Importing this package turns on jax's persistent compilation

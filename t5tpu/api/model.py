@@ -5,18 +5,19 @@ Every call pads its batch to `batch_size` rows and its lengths up to a power of 
 program. A call compiles at most once per new (kind of call, input length bucket, output length,
 decoding settings); a notebook that keeps calling `predict` with the same settings compiles a
 handful of times, not once per call.
+
+The model is task-agnostic: asking a Quora- or SQuAD-trained model in its task's own words is
+done by the tasks (`t5tpu.tasks.quora.is_duplicate(model, ...)`, `t5tpu.tasks.squad.answer`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.api import prompts
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
@@ -98,6 +99,7 @@ class T5Model:
         self._has_vocabulary = has_vocabulary
         self._partitioner = partitioner
         self._param_shardings = param_shardings
+        self._programs: dict[tuple, object] = {}
 
     def __repr__(self) -> str:
         count = sum(x.size for x in jax.tree_util.tree_leaves(self.params))
@@ -221,22 +223,6 @@ class T5Model:
             scores.append(np.asarray(result)[: len(chunk)])
         return np.concatenate(scores) if scores else np.zeros((0,), np.float32)
 
-    # --- the seed notebooks' task helpers ---------------------------------------------------
-
-    def answer(self, question: str, context: str, *, task: str = prompts.SQUAD_V1) -> str:
-        """A SQuAD-trained model's answer ("" when a v2 model finds none in the context)."""
-        prompt = prompts.squad(question, context, task=task)
-        return prompts.postprocess(task, self.predict([prompt])[0])
-
-    def is_duplicate(self, question1: str, question2: str) -> bool:
-        """Whether a Quora-trained model takes the two questions to ask the same thing."""
-        prompt = prompts.quora_pair(question1, question2)
-        return self.predict([prompt], max_length=4)[0].strip() == prompts.POSITIVE_LABEL
-
-    def similar_question(self, question: str, **decoding_settings) -> str:
-        """A question like `question`, from a model trained on generate_similar_question."""
-        return self.predict([prompts.similar_question(question)], **decoding_settings)[0]
-
     # --- batching ---------------------------------------------------------------------------
 
     def _encode(self, text: str, limit: int | None = None) -> list[int]:
@@ -267,33 +253,49 @@ class T5Model:
             out_shardings=replicated,
         )
 
-    @functools.cache  # noqa: B019 (one per model object, which lives as long as its params)
+    def _program(self, key: tuple, build):
+        """The compiled program `key`, built on first use and kept on this object: a cache on
+        the class would keep every model, and its parameters, alive until the process ends."""
+        if key not in self._programs:
+            self._programs[key] = build()
+        return self._programs[key]
+
+    # The traced functions close over the network only, never `self` (which holds the
+    # parameters): a program kept by jax's own caches must not keep the model alive.
+
     def _decoder(self, max_length: int, settings: decoding.DecodingSettings):
+        network = self.model
+
         def decode(params, tokens, rng):
             batch = {"encoder_input_tokens": tokens}
-            return self.model.predict(params, batch, max_length, rng, settings)
+            return network.predict(params, batch, max_length, rng, settings)
 
-        return self._jit(decode, batch_args=1, replicated_args=1)
+        return self._program(
+            ("decode", max_length, settings),
+            lambda: self._jit(decode, batch_args=1, replicated_args=1),
+        )
 
-    @functools.cache  # noqa: B019
     def _forward(self):
+        network = self.model
+
         def forward(params, inputs, decoder_inputs):
             batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs}
-            return self.model.logits(params, batch).astype(jnp.float32)
+            return network.logits(params, batch).astype(jnp.float32)
 
-        return self._jit(forward, batch_args=2)
+        return self._program(("forward",), lambda: self._jit(forward, batch_args=2))
 
-    @functools.cache  # noqa: B019
     def _scorer(self):
+        network = self.model
+
         def score(params, inputs, decoder_inputs, targets):
             batch = {
                 "encoder_input_tokens": inputs,
                 "decoder_input_tokens": decoder_inputs,
                 "decoder_target_tokens": targets,
             }
-            return self.model.score(params, batch)
+            return network.score(params, batch)
 
-        return self._jit(score, batch_args=3)
+        return self._program(("score",), lambda: self._jit(score, batch_args=3))
 
 
 def _texts(values) -> list[str]:
