@@ -85,3 +85,65 @@ def gin_command(command: commands.GinCommand) -> str:
 def _bullet(text: str) -> list[str]:
     wrapped = textwrap.wrap(text, WIDTH - 4)
     return [f"  - {wrapped[0]}", *(f"    {line}" for line in wrapped[1:])]
+
+
+# docs/MACROS.md holds macro_table() between these two lines (tests/test_docs.py checks it).
+MACRO_TABLE_BEGIN = (
+    "<!-- generated from t5tpu/cli/commands.py by `python -m t5tpu.cli.help_text "
+    "docs/MACROS.md`; do not edit by hand -->"
+)
+MACRO_TABLE_END = "<!-- end of the generated table -->"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _default_cell(default: str | None) -> str:
+    """A default as code; 'required' as the word; empty for a command that reads no such macro."""
+    if default is None:
+        return ""
+    return default if default == "required" else f"`{default}`"
+
+
+def macro_table() -> str:
+    """Every gin command's macros as one Markdown table, from the command table (what each
+    command's --help lists): a row per macro, its default under each command that reads it,
+    and its meaning (each command's, where they differ)."""
+    names = list(commands.GIN_COMMANDS)
+    defaults: dict[str, dict[str, str]] = {}
+    meanings: dict[str, dict[str, list[str]]] = {}
+    for command in commands.GIN_COMMANDS.values():
+        for macro in command.macros:
+            defaults.setdefault(macro.name, {})[command.name] = macro.default
+            meanings.setdefault(macro.name, {}).setdefault(macro.meaning, []).append(command.name)
+    lines = [
+        "| macro | " + " | ".join(names) + " | meaning |",
+        "| --- |" + " --- |" * len(names) + " --- |",
+    ]
+    for name, by_command in defaults.items():
+        cells = [_default_cell(by_command.get(c)) for c in names]
+        said = meanings[name]
+        meaning = (
+            next(iter(said))
+            if len(said) == 1
+            else "; ".join(f"{', '.join(users)}: {text}" for text, users in said.items())
+        )
+        lines.append(f"| `{name}` | " + " | ".join(map(_cell, [*cells, meaning])) + " |")
+    return "\n".join(lines)
+
+
+def with_macro_table(document: str) -> str:
+    """`document` with the text between MACRO_TABLE_BEGIN and MACRO_TABLE_END replaced by
+    macro_table()."""
+    start = document.index(MACRO_TABLE_BEGIN) + len(MACRO_TABLE_BEGIN)
+    end = document.index(MACRO_TABLE_END, start)
+    return f"{document[:start]}\n{macro_table()}\n{document[end:]}"
+
+
+if __name__ == "__main__":  # python -m t5tpu.cli.help_text docs/MACROS.md: rewrites its table
+    import pathlib
+    import sys
+
+    for path in map(pathlib.Path, sys.argv[1:]):
+        path.write_text(with_macro_table(path.read_text(encoding="utf-8")), encoding="utf-8")
