@@ -3,11 +3,11 @@ the weight matmuls a train step, a scoring pass or one decoding step does, at th
 with nothing else around them (no attention, norms, softmax, optimizer, cache updates).
 
 The machine's limits (bench_limits) say what the hardware could do; this says what XLA's own
-matmul kernels do at the model's shapes. On the 2-core CPU VM the two differ most where it
-matters for decoding: a [8, 512] x [512, 1024] float32 matmul streams its weights at ~25 GB/s,
-~100 GFLOP/s, where the memory streams at 45-70 GB/s and a large matmul reaches ~460 GFLOP/s. A
-step's time is then its dense matmuls' time (`dense_matmul_ms`) plus what the rest of the step
-adds; `dense_share` is the first over the step.
+matmul kernels do at the model's shapes. The two differ most where it matters for decoding: a
+few-row float32 matmul on CPU reads its weights well below the memory's rate and computes well
+below the large matmul's peak (docs/PERFORMANCE.md, "Where a step's time goes"). A step's time
+is then its dense matmuls' time (`dense_matmul_ms`) plus what the rest of the step adds;
+`dense_share` is the first over the step.
 
 Each matmul gets its own weight matrix (so the chain reads as many weight bytes as the step),
 and each one's input depends on the previous one's output (so XLA can neither hoist, drop nor

@@ -4,9 +4,9 @@ peak FLOP/s of a large matmul and the memory bandwidth (a streaming reduction an
 must read, which with the bandwidth gives the memory floor of a step.
 
 The probes run before the workloads, after every repetition of each workload (the figures its
-fraction_of_limit uses: on a machine shared with other processes the limits moved by up to 2x
-within a run, and probes taken beside the workload's own repetitions see the load it saw), and
-after the workloads."""
+fraction_of_limit uses: on a machine shared with other processes the limits move within a run
+(docs/PERFORMANCE.md), and probes taken beside the workload's own repetitions see the load it
+saw), and after the workloads."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def gemv_probe(nbytes: int) -> Probe:
     """A 1-row float32 GEMV over a matrix of `nbytes`: the kernel shape through which a batch-1
     decoding step reads its weights. Reported beside the streaming figure, not in its place:
     XLA's few-row GEMVs can stream well below the memory's rate (an 8-row one was once taken
-    for the bandwidth: 10 GB/s where a streaming read gave ~25)."""
+    for the bandwidth: docs/PERFORMANCE.md)."""
     n = max(1, nbytes // (4 * GEMV_INNER))
     w = jnp.ones((GEMV_INNER, n), jnp.float32)
     v = jnp.ones((1, GEMV_INNER), jnp.float32)

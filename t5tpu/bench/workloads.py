@@ -294,9 +294,10 @@ MODEL_WORKLOADS = ("train", "score", "greedy", "beam")  # those measured against
 def make_limit_probes(args, config) -> dict:
     """The probes of the machine's limits (bench_limits). The matmul is in the benchmark's
     activation dtype; the memory probes read float32, as decoding reads the weights. Sizes:
-    matmul 2048 on CPU (3072 and 4096 ran at ~350 GFLOP/s there, 2048 at ~440), 8192 on
-    accelerators; memory probes of 256 MiB on CPU (8x this machine's 32 MB L3), 2 GiB on
-    accelerators (they stay allocated through the run: --stream_mb makes them smaller)."""
+    matmul 2048 on CPU (the size that ran fastest there, docs/PERFORMANCE.md), 8192 on
+    accelerators; memory probes of 256 MiB on CPU (far larger than a CPU's last-level cache),
+    2 GiB on accelerators (they stay allocated through the run: --stream_mb makes them
+    smaller)."""
     cpu = jax.default_backend() == "cpu"
     size = args.matmul_size or (2048 if cpu else 8192)
     stream_mb = args.stream_mb or (256 if cpu else 2048)

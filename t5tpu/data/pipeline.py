@@ -125,8 +125,8 @@ def _restored_stream(make_stream, saved_position, fingerprint, skip_batches) -> 
 
 class InputStream:
     """An iterator of numpy batches whose position can be saved beside a checkpoint: restoring
-    it costs a fraction of a second, where skipping runs every skipped example through the
-    pipeline again (minutes at step 20,000 of a batch-256 recipe).
+    it is quick, where skipping runs every skipped example through the pipeline again, which
+    grows with the step a run resumes at (docs/PERFORMANCE.md has both rates).
 
     The position is a tf.train.Checkpoint of the iterator, which TensorFlow writes through its
     own filesystems; for a gs:// checkpoint it is written to a local folder and copied with

@@ -70,9 +70,9 @@ class DecodingSettings:
 
 def first_max_index(x: Array) -> Array:
     """jnp.argmax over the last axis (the first index of the largest value), as two plain
-    reductions: XLA:CPU runs argmax's (value, index) reduction unvectorized, 8x slower over a
-    [8, 32128] row of logits (1.07 ms against 0.13 on the 2-core VM). A NaN row gives the
-    axis length instead of NaN's index."""
+    reductions: XLA:CPU runs argmax's (value, index) reduction unvectorized, far slower than
+    these two over a row of logits (docs/PERFORMANCE.md). A NaN row gives the axis length
+    instead of NaN's index."""
     largest = jnp.max(x, axis=-1, keepdims=True)
     index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
     return jnp.min(jnp.where(x == largest, index, x.shape[-1]), axis=-1)
@@ -312,8 +312,8 @@ class _BeamSearch:
         """(the num_beams-th best extension's score [batch, 1], the num_beams best extensions
         other than EOS: their scores and flat indices [batch, beams]). One top-k over the whole
         [batch, beams * vocab] serves both: at most one EOS extension per beam is among the
-        2 * num_beams best, so the best others are too (a second full top-k cost about 1 ms a
-        step at batch 8 with T5's vocabulary on the 2-core VM)."""
+        2 * num_beams best, so the best others are too, and a second top-k over the whole
+        vocabulary is saved every step (docs/PERFORMANCE.md)."""
         batch, vocab = candidates.shape[0], candidates.shape[-1]
         top_scores, top_index = jax.lax.top_k(candidates.reshape(batch, -1), 2 * self.num_beams)
         kth_best = top_scores[:, self.num_beams - 1 : self.num_beams]

@@ -63,8 +63,8 @@ class DenseGeneral(nn.Module):
         # One 2-D matmul [tokens, fan_in] x [fan_in, fan_out]: the same products as contracting
         # the original dims, but its gradient w.r.t. the kernel is a plain 2-D matmul too. With
         # the batch and length dims left separate, XLA on CPU transposes the incoming gradient
-        # (fused into the elementwise backward, e.g. of gated-GELU) before that matmul: a
-        # measured 1.6x slower MLP backward on T5 1.1 small.
+        # (fused into the elementwise backward, e.g. of gated-GELU) before that matmul, which
+        # slowed the MLP backward markedly (docs/PERFORMANCE.md, "Changes").
         rows = x.reshape((-1, fan_in)).astype(self.dtype)
         out = rows @ kernel.reshape(flat_shape).astype(self.dtype)
         return out.reshape(x.shape[: x.ndim - self.num_in_dims] + self.features)
@@ -236,9 +236,8 @@ class MultiHeadAttention(nn.Module):
             weights = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(weights, False)
         if decode:
             # Head-major out, then one small transpose: XLA:CPU ran the "bqhd" form as per-head
-            # [head_dim, keys] x [keys, queries] products, 2.3-3x slower when beam search's 4
-            # query rows share a cache row (T5 1.1 small, 4 beams: a step at batch 8 18-20 ->
-            # 16.5 ms, at batch 32 62 -> 55.5 ms; greedy steps unchanged).
+            # [head_dim, keys] x [keys, queries] products, slow when beam search's query rows
+            # share a cache row; greedy steps are unaffected (docs/PERFORMANCE.md, "Changes").
             out = jnp.swapaxes(jnp.einsum(f"bhqk,{kv_spec}->bhqd", weights, value), 1, 2)
         else:
             out = jnp.einsum(f"bhqk,{kv_spec}->bqhd", weights, value)

@@ -150,9 +150,9 @@ def _layer_bias(position_bias: Array, mask_bias: Array) -> Array:
     """A layer's attention bias. The stack passes the position bias ([1, heads, q, k], trained)
     and the mask bias ([batch, 1, q, k]) apart and each layer adds them: a sum made once per
     stack would be a [batch, heads, q, k] float32 input of every layer whose gradient each layer
-    keeps until the backward pass ends (TPU's compiler held 2.3 GB of them for T5 base at 512
-    tokens); added here, the add fuses into the attention logits and each layer's gradient of
-    the position bias is reduced over the batch at once."""
+    keeps until the backward pass ends (TPU's compiler kept them all: docs/memory_plan.md);
+    added here, the add fuses into the attention logits and each layer's gradient of the
+    position bias is reduced over the batch at once."""
     return position_bias + mask_bias
 
 

@@ -43,8 +43,8 @@ class CompiledMemory:
     aliased: int  # outputs written over donated arguments (the new state)
     # TPU's compiler's own peak: the most bytes its buffer assignment holds at once, the figure
     # its out-of-memory errors measure against HBM. Its temporaries are more than the
-    # buffers ever live together (11B on a v3-128: arguments + temporaries 1118 MiB, buffer
-    # assignment 927, this 922). XLA's CPU compiler reports its arguments here, so 0 on CPU.
+    # buffers ever live together (docs/memory_plan.md, "Checked against XLA", has a case).
+    # XLA's CPU compiler reports its arguments here, so 0 on CPU.
     heap_peak: int = 0
     out_of_memory: str = ""  # TPU's compiler's message when it could not fit the step
     # What that message says the step needed and the HBM it had (0 when it says neither).

@@ -119,7 +119,7 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
     if plan.compiler != memory_plan.TPU:
         return []
     if config.scan_layers or not plan.parameters_over_data:
-        return []  # scanned, or 1-D: within 15% of TPU's compiler
+        return []  # scanned, or 1-D: the estimate tracks TPU's compiler (docs/memory_plan.md)
     lines = [
         "  low for 2-D parameter partitioning with unrolled layers: TPU's compiler gathers "
         "many layers' weights over 'data' at once, which this estimate leaves out (3B on a "

@@ -20,8 +20,8 @@ import sys
 import tempfile
 
 ENV = "T5TPU_COMPILATION_CACHE"
-# JAX keeps every program forever. T5 1.1 small's programs are 2 MB at most on CPU and the
-# tests leave ~30 MB; this leaves room for many models' programs on TPU.
+# JAX keeps every program forever: this bounds the disk the cache takes, with room for many
+# models' programs on TPU (sizes seen on CPU: docs/PERFORMANCE.md).
 MAX_BYTES = 2 * 2**30
 _OFF = frozenset({"off", "none", "0", "false", "no"})
 
@@ -87,10 +87,10 @@ def enable() -> str | None:
 def trim(path: str, max_bytes: int | None = None) -> int:
     """Deletes the least recently used files of the cache at `path` (by their access times, or
     their write times where the file system keeps none) until it holds at most `max_bytes`
-    (MAX_BYTES by default); returns how many went. A listing and a stat per program:
-    milliseconds. Not JAX's own size limit (jax_compilation_cache_max_size): that one keeps a
-    last-use file per program, locks the directory for every lookup, and fails to write new
-    programs beside ones cached without it, as every cache made before would be."""
+    (MAX_BYTES by default); returns how many went. A listing and a stat per program, cheap
+    enough for every start. Not JAX's own size limit (jax_compilation_cache_max_size): that
+    one keeps a last-use file per program, locks the directory for every lookup, and fails to
+    write new programs beside ones cached without it, as every cache made before would be."""
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     if "://" in path:
         return 0

@@ -1,12 +1,11 @@
 """Host allocator settings that keep freed memory in the process for the next step to reuse.
 
-XLA's CPU runtime allocates a program's temporaries as one block per execution (about 750 MB for
-T5 1.1 small's train step at batch 8) from a worker thread. glibc serves such a block from a
-thread's own arena only up to 64 MB, so it maps fresh pages for it and unmaps them on free: every
-step then faulted in ~190,000 zeroed pages (0.6 CPU-s of kernel time). With one arena (the main
-one, which grows without that limit), no mmap below 2 GiB and no trimming, a step reuses the
-previous step's pages. Measured on the 2-core CPU VM: 0 page faults per step instead of 192,000
-(docs/PERFORMANCE.md has the timings).
+XLA's CPU runtime allocates a program's temporaries as one block per execution (hundreds of MB
+for a train step) from a worker thread. glibc serves such a block from a thread's own arena only
+up to 64 MB, so it maps fresh pages for it and unmaps them on free: every step then faults in
+and zero-fills all of them again, in kernel time. With one arena (the main one, which grows
+without that limit), no mmap below 2 GiB and no trimming, a step reuses the previous step's
+pages instead (docs/PERFORMANCE.md, "Page faults", has the measurements).
 
 The cost is that the process keeps its peak heap instead of returning freed memory to the
 kernel, which a training or decoding process reaches within a step anyway.

@@ -6,7 +6,7 @@ Two kinds of damage, both found without reading the arrays themselves:
   array data cut short or lost. orbax finds these only part-way through a restore, with a
   TensorStore traceback from a worker thread; here the OCDBT database of each item is opened,
   its keys listed and the last byte of every value read, which costs one small read per array
-  chunk (not the arrays), so a truncated or missing data file is found in milliseconds.
+  chunk (not the arrays), so a truncated or missing data file is found without reading the data.
 
 'latest' (train resume, eval, infer) then falls back to the newest readable checkpoint with one
 warning line per damaged one; a step named explicitly is refused with a UserError naming it.
