@@ -6,10 +6,11 @@ trained for two steps: these tests check what is read and refused, not what the 
 import json
 import pathlib
 import re
+import shutil
 
 import pytest
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
-from cli_runs import quick_training, succeeded, t5tpu
+from cli_runs import TRAINED_TINY_STEPS, t5tpu
 from cli_runs import read_jsonl as read_rows
 
 from t5tpu import package_files
@@ -17,20 +18,20 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.decoding import DecodingSettings
 from t5tpu.runners import infer as infer_runner
+from t5tpu.runners import infer_chunks, infer_inputs
 from t5tpu.runners.prediction_files import file_name, own_file
 
 RUNS = package_files.configs_dir("runs")
-STEPS = 2
+STEPS = TRAINED_TINY_STEPS
 VALIDATION_PAIRS = 105  # the bundled sample's validation split
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny Quora experiment, trained for two steps (a checkpoint to decode with). Module
-    scoped, not shared with other files: these tests write predictions and configs into it."""
-    path = tmp_path_factory.mktemp("quora_model")
-    succeeded(t5tpu("train", f"--gin_file={EXPERIMENT}", *quick_training(STEPS), model_dir=path))
-    return path
+def model_dir(trained_tiny, tmp_path_factory):
+    """The tiny Quora experiment trained for two steps (a checkpoint to decode with): this
+    module's copy of the shared run (conftest's trained_tiny), as these tests write predictions
+    and configs into it."""
+    return shutil.copytree(trained_tiny, tmp_path_factory.mktemp("quora_model") / "model")
 
 
 def infer(model_dir, *extra):
@@ -112,6 +113,7 @@ seqio.TaskRegistry.add("records", source=source, preprocessors=[seqio.preprocess
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "task, split, why",
     [
@@ -146,6 +148,7 @@ def test_declared_split_without_its_files_is_refused(model_dir, tmp_path, task, 
     assert files_in(model_dir) == before
 
 
+@pytest.mark.slow
 def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
     """data.check_readable, which infer uses above, guards eval and train too."""
     folder = tmp_path / "data"
@@ -168,6 +171,7 @@ def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
     assert not new_dir.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags, message",
     [
@@ -208,51 +212,73 @@ def test_a_binary_input_file_is_one_user_error_with_its_line(tmp_path, data, lin
     with pytest.raises(
         UserError, match=re.escape(f"{path} is not a UTF-8 text file (line {line})")
     ):
-        infer_runner._read_lines(str(path))
+        infer_inputs.from_files(str(path), None)
 
 
 def test_input_lines_keep_their_numbers_across_blank_lines_and_crlf(tmp_path):
     path = tmp_path / "inputs.txt"
-    path.write_bytes("a?\r\n\r\nb c?\nÇa va?".encode())
-    assert infer_runner._read_lines(str(path)) == [
+    path.write_bytes("a?\r\n\r\nb c?\nÇa va?\rlast".encode())
+    assert list(infer_inputs.read_lines(str(path))) == [
         ("a?", f"line 1 of {path}"),
         ("b c?", f"line 3 of {path}"),
         ("Ça va?", f"line 4 of {path}"),
+        ("last", f"line 5 of {path}"),
     ]
 
 
-def _inputs(*lengths):
-    texts = [("x" * n, f"INFER_INPUTS[{i}]") for i, n in enumerate(lengths)]
-    examples = infer_runner._examples_from_texts(texts, _CharVocabulary(), 8)
-    return infer_runner._Inputs("inputs", examples, None)
+def test_input_files_by_pattern_and_list_are_read_in_order(tmp_path):
+    for name, text in (("b.txt", "b1\nb2\n"), ("a.txt", "a1\n"), ("c.tsv", "c1\n")):
+        (tmp_path / name).write_text(text)
+    source = infer_inputs.from_files(f"{tmp_path}/*.txt,{tmp_path / 'c.tsv'}", None)
+    assert (source.name, source.total) == ("a-and-2-more", 4)
+    assert list(infer_inputs.Texts(source)) == ["a1", "b1", "b2", "c1"]
+    assert list(infer_inputs.Texts(source)) == ["a1", "b1", "b2", "c1"]  # read afresh
+    assert infer_inputs.from_files(f"{tmp_path}/*.txt", 2).total == 2
+    with pytest.raises(UserError, match=re.escape(f"pattern {tmp_path}/*.md matches no file")):
+        infer_inputs.from_files(f"{tmp_path}/*.md", None)
+    with pytest.raises(UserError, match="input file not found: .*missing.txt"):
+        infer_inputs.from_files(f"{tmp_path}/a.txt,{tmp_path}/missing.txt", None)
 
 
-def test_inputs_longer_than_the_input_length_are_truncated_and_counted(capsys):
-    inputs = _inputs(7, 8, 3, 20)  # 7 + EOS fits in 8; 8 + EOS does not
-    assert [len(ex["ids"]) for ex in inputs.examples] == [8, 8, 4, 8]
-    assert all(ex["ids"][-1] == 1 for ex in inputs.examples)
-    assert inputs.overlong() == ["INFER_INPUTS[1]", "INFER_INPUTS[3]"]
-    infer_runner._check_truncation(inputs, "warn", 8)
-    assert capsys.readouterr().err == (
-        "t5tpu: warning: 2 of 4 inputs are longer than 8 tokens (TASK_FEATURE_LENGTHS['inputs']) "
-        "and were truncated (INFER_TRUNCATION='error' to refuse them)\n"
-    )
-    with pytest.raises(UserError, match=re.escape("2 of 4 inputs are longer than 8 tokens")):
-        infer_runner._check_truncation(inputs, "error", 8)
-    infer_runner._check_truncation(_inputs(7, 3), "error", 8)  # none too long: nothing said
-    assert capsys.readouterr().err == ""
+def test_the_fingerprint_follows_the_inputs_and_their_count(tmp_path):
+    path = tmp_path / "in.txt"
+    path.write_text("one\ntwo\n")
+    first = infer_inputs.from_files(str(path), None).fingerprint
+    assert infer_inputs.from_files(str(path), None).fingerprint == first
+    assert infer_inputs.from_files(str(path), 1).fingerprint != first
+    path.write_text("one\ntwo!\n")
+    assert infer_inputs.from_files(str(path), None).fingerprint != first
+
+
+def test_inputs_longer_than_the_input_length_are_truncated_and_marked():
+    texts = [infer_inputs.Record("x" * n, f"INFER_INPUTS[{i}]") for i, n in enumerate((7, 8, 3))]
+    examples = [infer_runner._encoded(r, _CharVocabulary(), 8) for r in texts]
+    assert [len(ex.ids) for ex in examples] == [8, 8, 4]  # 7 + EOS fits in 8; 8 + EOS does not
+    assert all(ex.ids[-1] == 1 for ex in examples)
+    assert [ex.overlong for ex in examples] == [False, True, False]
+
+
+def test_truncation_error_names_the_first_overlong_input_before_any_work():
+    source = infer_inputs.from_texts(["x" * 3, "x" * 20, "x" * 9], None)
+    with pytest.raises(UserError, match=re.escape("2 of 3 inputs are longer than 8 tokens")):
+        infer_runner._refuse_overlong(source, _CharVocabulary(), 8)
+    with pytest.raises(UserError, match=re.escape("the first on INFER_INPUTS[1]")):
+        infer_runner._refuse_overlong(source, _CharVocabulary(), 8)
+    infer_runner._refuse_overlong(infer_inputs.from_texts(["x"], None), _CharVocabulary(), 8)
 
 
 def test_infer_truncation_takes_warn_or_error():
-    infer_runner._check_settings(None, "warn")
+    chunks = infer_chunks.Assignment(chunk_size=8)
+    infer_runner._check_settings(None, "warn", chunks)
     with pytest.raises(UserError, match="INFER_TRUNCATION = 'cut' must be 'warn'"):
-        infer_runner._check_settings(None, "cut")
+        infer_runner._check_settings(None, "cut", chunks)
 
 
 def without_predictions(rows):
     return [{key: value for key, value in row.items() if key != "prediction"} for row in rows]
 
 
+@pytest.mark.slow
 def test_infer_num_examples_decodes_the_first_examples_of_the_split(model_dir, tmp_path):
     """...into a file of its own: a partial run never replaces the full predictions."""
     name = f"qp_is_duplicate_validation-{STEPS}"
@@ -286,6 +312,7 @@ def test_a_prediction_file_of_other_inputs_is_never_replaced(tmp_path):
     assert own_file(str(tmp_path / "notes.jsonl"), ["a?"]) == str(tmp_path / "notes.2.jsonl")
 
 
+@pytest.mark.slow
 def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
     out = tmp_path / "out" / "inference"
     for folder, lines in (("a", "Is it raining?\n"), ("b", "How do I learn jax?\nWhy?\n")):
@@ -323,6 +350,7 @@ def test_prediction_files_are_named_by_the_settings_that_change_them(num_example
     assert file_name("src", 5, num_examples, DecodingSettings(*settings)) == name
 
 
+@pytest.mark.slow
 def test_num_beams_macro_reaches_infer_and_eval(model_dir, tmp_path):
     run = infer(model_dir, "--gin.NUM_BEAMS=2", "--gin.INFER_NUM_EXAMPLES=3")
     assert run.returncode == 0, run.stderr[-3000:]

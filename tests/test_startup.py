@@ -76,8 +76,8 @@ def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
     first, predictions = _infer(model_dir, str(cache))
     assert [p["input"] for p in predictions] == QUESTIONS
     entries = file_digests(cache)
-    # The decode and the small programs around it (random keys, restore's helpers) alike.
-    assert len(entries) >= 2, sorted(entries)
+    # The decode program at least (greedy decoding needs no key programs around it).
+    assert any("jit__lambda" in name or "predict" in name for name in entries), sorted(entries)
     second, again = _infer(model_dir, str(cache))
     assert again == predictions
     assert file_digests(cache) == entries  # nothing compiled anew: every program was found

@@ -86,6 +86,8 @@ def _pick_next(logits: Array, rng: Array, temperature: float, top_k: int) -> Arr
     if top_k > 0:
         kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]
         logits = jnp.where(logits < kth_best, -jnp.inf, logits)
+    if rng.ndim == 2:  # a key per row: each row's draw is independent of its batch mates
+        return jax.vmap(jax.random.categorical)(rng, logits).astype(jnp.int32)
     return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
 
 
@@ -120,6 +122,14 @@ def _decoder_step(module, params, cache, encoded, encoder_input_tokens, token, p
     return logits[:, 0], updated["cache"]
 
 
+def _split(rng: Array) -> tuple[Array, Array]:
+    """The next key(s) and this step's: of one key, or of each row's key ([batch, 2])."""
+    if rng.ndim == 2:
+        keys = jax.vmap(jax.random.split)(rng)
+        return keys[:, 0], keys[:, 1]
+    return tuple(jax.random.split(rng))
+
+
 def decode(
     module: nn.Module,
     params,
@@ -131,7 +141,8 @@ def decode(
     top_k: int = 0,
 ) -> Array:
     """Returns [batch, max_decode_length] token ids: each row ends at its first EOS (included),
-    zeros after it. Decoding stops early once every row has produced EOS."""
+    zeros after it. Decoding stops early once every row has produced EOS. Sampling draws from
+    `rng`: one key for the batch, or a key per row ([batch, 2])."""
     batch = encoder_input_tokens.shape[0]
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
     dummy_targets = jnp.zeros((batch, max_decode_length), jnp.int32)
@@ -142,7 +153,7 @@ def decode(
         logits, cache = _decoder_step(
             module, params, cache, encoded, encoder_input_tokens, token, position
         )
-        rng, step_rng = jax.random.split(rng)
+        rng, step_rng = _split(rng)
         next_token = _pick_next(logits, step_rng, temperature, top_k)
         next_token = jnp.where(done, 0, next_token)
         out = out.at[:, position].set(next_token)

@@ -1,196 +1,88 @@
-"""`t5tpu infer`: decode a text file (one model input per line) or a task split to JSONL.
+"""`t5tpu infer`: decode a text file (one model input per line), given inputs, or a task split
+to JSONL, streamed in chunks, resumable and shardable.
 
 One output file per checkpoint step: MODEL_DIR/inference/<source>-<step>.jsonl with
 {"input", "prediction"} and "target" when the source knows it (<source>-<step>.2.jsonl and on
-when a file of that name holds other inputs' predictions; runners/prediction_files.py names and
-writes them). Files are written to a temporary name and renamed, so an interrupted run never
-leaves a half-written result in their place. INFER_OUTPUT_DIR puts them and infer_config.gin in
-another folder, for a MODEL_DIR that is read-only (runners/outputs.py); the config is written
-with the first predictions.
+when a file of that name holds other inputs' predictions; runners/prediction_files.py names
+them). The inputs are read lazily (runners/infer_inputs.py) and decoded INFER_CHUNK_SIZE at a
+time; each finished chunk is a file of its own (runners/infer_chunks.py), so a rerun of an
+interrupted command continues after the last one, INFER_NUM_SHARDS independent runs split the
+chunks, and the final file, assembled from the chunks, is the same however the work was split.
+Within a chunk, inputs are batched by length and padded to a few lengths (batches.bucket_length).
+INFER_OUTPUT_DIR puts the files and infer_config.gin in another folder, for a MODEL_DIR that is
+read-only (runners/outputs.py); the config is written with the first predictions.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import io
+import itertools
 import json
-import os
 import sys
 
 import jax
 import numpy as np
-from etils import epath
+from jax.experimental import multihost_utils
 
 from t5tpu.config import gin_setup
-from t5tpu.data import availability, batches, pipeline
+from t5tpu.data import batches, pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import outputs, prediction_files
-from t5tpu.runtime.lazy_imports import seqio
+from t5tpu.runners import example_progress, infer_chunks, infer_inputs, outputs, prediction_files
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
-from t5tpu.tasks import registry
-from t5tpu.training import trainer
+from t5tpu.training import preemption, trainer
 
 
 @dataclasses.dataclass(frozen=True)
-class _Inputs:
-    """What one run decodes: `examples` ({"input", "ids"} and "target" when the source knows
-    it), the first `num_examples` (None: all) of `source`, which names the predictions files."""
+class _Example:
+    """A record ready to decode: its ids cut to the input length (EOS kept), and whether they
+    had to be cut."""
 
-    source: str
-    examples: list[dict]
-    num_examples: int | None
-
-    def predictions_path(self, folder: str, step: int, settings: decoding.DecodingSettings):
-        return prediction_files.predictions_path(
-            folder,
-            self.source,
-            step,
-            num_examples=self.num_examples,
-            settings=settings,
-            inputs=[ex["input"] for ex in self.examples],
-        )
-
-    def overlong(self) -> list[str]:
-        """Where each input that was truncated came from ('line 7 of FILE', 'INFER_INPUTS[2]')."""
-        return [ex["overlong"] for ex in self.examples if "overlong" in ex]
+    record: infer_inputs.Record
+    ids: tuple[int, ...]
+    overlong: bool
 
 
-def _read_lines(path: str) -> list[tuple[str, str]]:
-    """(text, 'line N of FILE') of each non-empty line. Read as bytes and decoded here, so a
-    binary file is refused in one line naming it instead of failing in the decoder."""
-    availability.check_storage(path, "INFER_INPUT_FILE")
-    if not epath.Path(path).is_file():
-        raise UserError(f"input file not found: {path}; set INFER_INPUT_FILE to a text file")
-    data = epath.Path(path).read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        text = data[: e.start].decode("utf-8") + "\0"  # a NUL marks the first bad byte
-    if "\0" in text:  # not UTF-8, or NULs: UTF-16 text, a binary file
-        line = text.count("\n", 0, text.index("\0")) + 1
-        raise UserError(
-            f"INFER_INPUT_FILE {path} is not a UTF-8 text file (line {line}); give a text file "
-            "with one model input per line"
-        )
-    # Universal newlines, as a file opened as text reads: \r\n and \r end a line too.
-    lines = [
-        (line.rstrip("\n"), f"line {number} of {path}")
-        for number, line in enumerate(io.StringIO(text, newline=None), start=1)
-        if line.strip()
+def _encoded(record: infer_inputs.Record, vocabulary, input_length: int) -> _Example:
+    """The text already in the task's format (e.g. 'question: ... context: ...'), truncated to
+    the input length with EOS kept, as the tasks' preprocessing does. A task's records come
+    tokenized and cut by the task."""
+    if record.ids is not None:
+        return _Example(record, record.ids, False)
+    ids = vocabulary.encode(record.text)
+    cut = (*ids[: input_length - 1], vocabulary.eos_id)
+    return _Example(record, cut, len(ids) >= input_length)  # with its EOS, too long
+
+
+def _refuse_overlong(source: infer_inputs.InputSource, vocabulary, input_length: int) -> None:
+    """INFER_TRUNCATION='error': every input tokenized before any work, the first one that is
+    too long named."""
+    overlong = [
+        record.where
+        for record in source.read()
+        if record.ids is None and _encoded(record, vocabulary, input_length).overlong
     ]
-    if not lines:
-        raise UserError(f"input file {path} has no non-empty lines; put one input per line")
-    return lines
-
-
-def _examples_from_texts(texts: list[tuple[str, str]], vocabulary, input_length: int) -> list[dict]:
-    """Model inputs given as (text, where it came from), the text already in the task's format
-    (e.g. 'question: ... context: ...'), truncated to the input length with EOS kept, as the
-    tasks' preprocessing does; a truncated one is marked with where it came from."""
-    examples = []
-    for text, where in texts:
-        ids = vocabulary.encode(text)
-        example = {"input": text, "ids": ids[: input_length - 1] + [vocabulary.eos_id]}
-        if len(ids) >= input_length:  # with its EOS, longer than the input length
-            example["overlong"] = where
-        examples.append(example)
-    return examples
-
-
-def _check_truncation(inputs: _Inputs, truncation: str, input_length: int) -> None:
-    """INFER_TRUNCATION: inputs longer than the input length are refused ('error'), or
-    truncated with one warning saying how many ('warn'): a prediction from a cut input may look
-    fine and be wrong."""
-    overlong = inputs.overlong()
-    if not overlong:
-        return
-    count = (
-        f"{len(overlong)} of {len(inputs.examples)} inputs are longer than {input_length} "
-        "tokens (TASK_FEATURE_LENGTHS['inputs'])"
-    )
-    if truncation == "error":
+    if overlong:
         raise UserError(
-            f"{count}, the first on {overlong[0]}; shorten them or raise "
-            "TASK_FEATURE_LENGTHS['inputs'] (INFER_TRUNCATION='warn' truncates them)"
+            f"{len(overlong)} of {source.total} inputs are longer than {input_length} tokens "
+            f"(TASK_FEATURE_LENGTHS['inputs']), the first on {overlong[0]}; shorten them or "
+            "raise TASK_FEATURE_LENGTHS['inputs'] (INFER_TRUNCATION='warn' truncates them)"
         )
-    if jax.process_index() == 0:
+
+
+def _warn_truncated(count: int, of: int, input_length: int) -> None:
+    """INFER_TRUNCATION='warn': a prediction from a cut input may look fine and be wrong."""
+    if count and jax.process_index() == 0:
         print(
-            f"t5tpu: warning: {count} and were truncated (INFER_TRUNCATION='error' to refuse them)",
+            f"t5tpu: warning: {count} of {of} inputs are longer than {input_length} tokens "
+            "(TASK_FEATURE_LENGTHS['inputs']) and were truncated (INFER_TRUNCATION='error' to "
+            "refuse them)",
             file=sys.stderr,
             flush=True,
         )
-
-
-def _examples_from_task(
-    task_name: str, split: str, task_feature_lengths, num_examples: int | None
-) -> list[dict]:
-    task = registry.get_task(task_name)
-    if isinstance(task, seqio.Mixture):
-        names = ", ".join(t.name for t in task.tasks)
-        raise UserError(
-            f"{task_name} is a mixture; infer reads one task's examples: set "
-            f"MIXTURE_OR_TASK_NAME to one of {names}"
-        )
-    # A source is handed any split name and fails deep inside tf.data (the bundled Quora sample
-    # looks for <split>.tsv), so the split is checked against the ones the task declares.
-    if split not in task.splits:
-        raise UserError(
-            f"nothing to infer: task {task_name!r} has no {split!r} split; set INFER_SPLIT to a "
-            f"split the task has: {', '.join(task.splits)}"
-        )
-    availability.check_readable(task_name, split, "INFER_SPLIT")
-    return _read_split(task, split, task_feature_lengths, num_examples)
-
-
-def _read_split(task, split: str, task_feature_lengths, num_examples: int | None) -> list[dict]:
-    """The first `num_examples` (None: all) examples of the split, in the source's order."""
-    ds = task.get_dataset(dict(task_feature_lengths), split=split, shuffle=False, num_epochs=1)
-    if num_examples is not None:
-        ds = ds.take(num_examples)
-    return [
-        {
-            "input": ex["inputs_pretokenized"].decode(),
-            "target": ex["targets_pretokenized"].decode(),
-            "ids": ex["inputs"].tolist(),
-        }
-        for ex in ds.as_numpy_iterator()
-    ]
-
-
-def _chosen_inputs(
-    *,
-    inputs: list[str] | str | None,
-    input_file: str | None,
-    mixture_or_task_name: str | None,
-    mixture_or_task_module: str | None,
-    split: str,
-    task_feature_lengths,
-    num_examples: int | None,
-    vocabulary,
-) -> _Inputs:
-    """INFER_INPUTS if given, else INFER_INPUT_FILE, else the task's split: the first
-    `num_examples` of them (None: all)."""
-    input_length = pipeline.model_lengths(task_feature_lengths)[0]
-    if inputs:
-        texts = [inputs] if isinstance(inputs, str) else list(inputs)
-        texts = [(text, f"INFER_INPUTS[{i}]") for i, text in enumerate(texts)]
-        examples = _examples_from_texts(texts[:num_examples], vocabulary, input_length)
-        return _Inputs("inputs", examples, num_examples)
-    if input_file:
-        lines = _read_lines(input_file)[:num_examples]
-        source = os.path.splitext(os.path.basename(input_file))[0]
-        return _Inputs(source, _examples_from_texts(lines, vocabulary, input_length), num_examples)
-    if mixture_or_task_name:
-        registry.get_task(mixture_or_task_name, mixture_or_task_module)
-        examples = _examples_from_task(
-            mixture_or_task_name, split, task_feature_lengths, num_examples
-        )
-        return _Inputs(f"{mixture_or_task_name}_{split}", examples, num_examples)
-    raise UserError("nothing to infer: set INFER_INPUTS, INFER_INPUT_FILE or MIXTURE_OR_TASK_NAME")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,16 +110,10 @@ class _Checkpoints:
         return checkpoints.restore_params(self.mngr, step, self.params_shape, self.shardings)
 
 
-def _input_tokens(examples: list[dict], input_length: int) -> np.ndarray:
-    """The examples' input ids, one row each, zero-padded to the input length."""
-    tokens = np.zeros((len(examples), input_length), np.int32)
-    for row, ex in enumerate(examples):
-        tokens[row, : len(ex["ids"])] = ex["ids"]
-    return tokens
-
-
 class _Decoder:
-    """Decodes one run's inputs with the parameters of each checkpoint in turn."""
+    """Decodes pieces of the inputs with one checkpoint's parameters: batches of similar
+    lengths, each padded to its bucket; sampling draws each example from a key of its own (its
+    index in the source), so a prediction never depends on which examples shared its batch."""
 
     def __init__(
         self,
@@ -239,47 +125,68 @@ class _Decoder:
         lengths: tuple[int, int],
         batch_size: int,
     ):
-        input_length, target_length = lengths
-        self.input_length = input_length
+        self.lengths = lengths
+        self.input_length, target_length = lengths
         self.batch_size = batch_size
-        self.seed = settings.seed
+        self.settings = settings
         self.vocabulary = model.vocabulary
         self.batch_sharding = partitioner.batch_sharding()
         self._predict = partitioner.jit(
-            lambda p, b, rng: model.predict(p, b, target_length, rng, settings),
-            in_shardings=(param_shardings, self.batch_sharding, partitioner.replicated()),
+            lambda p, b, keys: model.predict(p, b, target_length, keys, settings),
+            in_shardings=(param_shardings, self.batch_sharding, self.batch_sharding),
             out_shardings=partitioner.replicated(),  # every host holds all predictions
         )
 
-    def rows(self, params, inputs: _Inputs) -> list[dict]:
-        """{"input", "prediction"} (and "target" when known) per example, in order."""
-        rng = jax.random.PRNGKey(self.seed)
-        rows = []
-        tokens = {"encoder_input_tokens": _input_tokens(inputs.examples, self.input_length)}
-        for indices, batch in batches.padded_array_batches(tokens, self.batch_size):
-            rng, batch_rng = jax.random.split(rng)
-            global_batch = batches.full_batch_to_global(batch, self.batch_sharding)
-            out = self._predict(params, global_batch, batch_rng)
-            for i, ids in zip(indices, np.asarray(jax.device_get(out)), strict=False):
-                ex = inputs.examples[i]
-                row = {"input": ex["input"], "prediction": self.vocabulary.decode(ids.tolist())}
-                if "target" in ex:
-                    row["target"] = ex["target"]
-                rows.append(row)
-        return rows
+    def _keys(self, indices: np.ndarray) -> np.ndarray | None:
+        if not self.settings.samples:
+            return None
+        base = jax.random.PRNGKey(self.settings.seed)
+        return np.asarray(jax.vmap(lambda i: jax.random.fold_in(base, i))(indices))
+
+    def _batch(self, params, examples: list[_Example], rows: list[int], first: int) -> np.ndarray:
+        """Token ids of `rows`, padded to the batch size and the bucket of the longest."""
+        longest = max(len(examples[i].ids) for i in rows)
+        tokens = np.zeros((self.batch_size, batches.bucket_length(longest, self.input_length)))
+        for row, i in enumerate(rows):
+            tokens[row, : len(examples[i].ids)] = examples[i].ids
+        indices = np.zeros(self.batch_size, np.int32)
+        indices[: len(rows)] = [first + i for i in rows]
+        batch = {"encoder_input_tokens": tokens.astype(np.int32)}
+        keys = self._keys(indices)
+        placed = batches.full_batch_to_global(batch, self.batch_sharding)
+        if keys is not None:
+            keys = batches.full_batch_to_global({"k": keys}, self.batch_sharding)["k"]
+        return np.asarray(jax.device_get(self._predict(params, placed, keys)))
+
+    def lines(
+        self, params, span: infer_chunks.Span, examples: list[_Example], stop
+    ) -> list[str] | None:
+        """One JSON line per example, in input order; None when `stop()` says so after a batch
+        (the piece is then decoded again by the next run)."""
+        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
+        predictions = {}
+        for start in range(0, len(order), self.batch_size):
+            rows = order[start : start + self.batch_size]
+            out = self._batch(params, examples, rows, span.start)
+            predictions.update(zip(rows, out, strict=False))  # padding rows dropped
+            if stop():
+                return None
+        return [
+            _line(ex.record, self.vocabulary.decode(predictions[i].tolist()))
+            for i, ex in enumerate(examples)
+        ]
 
 
-def _write_predictions(path: str, rows: list[dict], step: int) -> None:
-    if jax.process_index() != 0:  # every process decoded the same rows; one writes them
-        print(f"step {step}: decoded {len(rows)} predictions; process 0 writes them")
-        return
-    prediction_files.write_jsonl(path, rows)
-    for row in rows[:3]:
-        print(json.dumps(row, ensure_ascii=False))
-    print(f"step {step}: wrote {len(rows)} predictions to {path}", flush=True)
+def _line(record: infer_inputs.Record, prediction: str) -> str:
+    row = {"input": record.text, "prediction": prediction}
+    if record.target is not None:
+        row["target"] = record.target
+    return json.dumps(row, ensure_ascii=False) + "\n"
 
 
-def _check_settings(num_examples: int | None, truncation: str) -> None:
+def _check_settings(
+    num_examples: int | None, truncation: str, chunk: infer_chunks.Assignment
+) -> None:
     if num_examples is not None and num_examples < 1:
         raise UserError(
             f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
@@ -289,22 +196,174 @@ def _check_settings(num_examples: int | None, truncation: str) -> None:
             f"INFER_TRUNCATION = {truncation!r} must be 'warn' (truncate inputs longer than "
             "TASK_FEATURE_LENGTHS['inputs'], with a warning) or 'error' (refuse them)"
         )
+    for name, value in (
+        ("INFER_CHUNK_SIZE", chunk.chunk_size),
+        ("INFER_NUM_SHARDS", chunk.num_shards),
+    ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} = {value!r} must be a whole number >= 1")
+    if (
+        isinstance(chunk.shard_id, bool)
+        or not isinstance(chunk.shard_id, int)
+        or not (0 <= chunk.shard_id < chunk.num_shards)
+    ):
+        raise UserError(
+            f"INFER_SHARD_ID = {chunk.shard_id!r} must be a whole number from 0 to "
+            f"INFER_NUM_SHARDS - 1 = {chunk.num_shards - 1}"
+        )
 
 
-def _decode_each(
-    decoder: _Decoder, restorable: _Checkpoints, chosen: _Inputs, settings, output_dir: str
-) -> list[str]:
-    """Decodes with each checkpoint in turn into OUTPUT/inference; the operative config goes to
+@dataclasses.dataclass
+class _Counted:
+    """An iterator that counts what it hands out: the number of inputs, once read through."""
+
+    items: object
+    count: int = 0
+
+    def __iter__(self):
+        for item in self.items:
+            self.count += 1
+            yield item
+
+
+def _agreed(spans: list[infer_chunks.Span]) -> list[infer_chunks.Span]:
+    """Process 0's list of finished chunks, on every process (a local MODEL_DIR is on process
+    0's disk only, and all of them must decode the same pieces together)."""
+    if jax.process_count() == 1:
+        return spans
+    count = int(multihost_utils.broadcast_one_to_all(np.int64(len(spans))))
+    flat = np.array([[s.start, s.end] for s in spans] or np.zeros((0, 2)), np.int64)
+    flat = multihost_utils.broadcast_one_to_all(np.resize(flat, (count, 2)))
+    return [infer_chunks.Span(int(a), int(b)) for a, b in np.asarray(flat)]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """What every checkpoint step of one infer run shares."""
+
+    source: infer_inputs.InputSource
+    decoder: _Decoder
+    assignment: infer_chunks.Assignment
+    settings: decoding.DecodingSettings
+    num_examples: int | None
+    folder: str
+
+    def manifest(self, step: int) -> dict:
+        """Everything a chunk's predictions depend on: chunks made under other values are
+        never mixed with these."""
+        return {
+            "inputs": self.source.fingerprint,
+            "step": step,
+            "settings": dataclasses.asdict(self.settings),
+            "lengths": [self.decoder.input_length, self.decoder.lengths[1]],
+            "batch_size": self.decoder.batch_size,
+            "chunk_size": self.assignment.chunk_size,
+        }
+
+
+def _decode_chunks(run: _Run, store, params, progress, watch) -> tuple[int, int, bool]:
+    """Decodes this run's missing chunks into `store`; returns (inputs read, inputs truncated,
+    whether SIGTERM stopped it)."""
+    writer = jax.process_index() == 0
+    records = _Counted(run.source.read())
+    done = _agreed(store.open(writer=writer))
+    progress.already = sum(span.end - span.start for span in done)
+    truncated = 0
+    pieces = infer_chunks.pieces(records, assignment=run.assignment, done=done)
+    for number, (span, piece) in enumerate(pieces):
+        examples = [_encoded(r, run.decoder.vocabulary, run.decoder.input_length) for r in piece]
+        truncated += sum(ex.overlong for ex in examples)
+        lines = run.decoder.lines(params, span, examples, stop=watch.requested)
+        if lines is None:
+            return records.count, truncated, True
+        if writer:
+            store.write(span, lines)
+            if number == 0 and not done:
+                sys.stdout.write("".join(lines[:3]))
+        progress.add(len(piece))
+    return records.count, truncated, False
+
+
+def _decode_step(run: _Run, restorable: _Checkpoints, step: int, watch) -> str | None:
+    """The predictions of checkpoint `step`: the final file's path once every chunk is done,
+    None while other shards' chunks are missing or after SIGTERM."""
+    path = prediction_files.predictions_path(
+        run.folder,
+        run.source.name,
+        step,
+        num_examples=run.num_examples,
+        settings=run.settings,
+        inputs=infer_inputs.Texts(run.source),
+    )
+    store = infer_chunks.ChunkStore(path, run.manifest(step))
+    progress = example_progress.ExampleProgress(f"infer step {step}", total=run.source.total)
+    read, truncated, stopped = _decode_chunks(run, store, restorable.params(step), progress, watch)
+    _warn_truncated(truncated, progress.count, run.decoder.input_length)
+    if stopped:
+        print(
+            f"t5tpu: SIGTERM: stopped with {progress.already + progress.count:,} inputs' "
+            "predictions saved; rerun the same command to continue",
+            flush=True,
+        )
+        return None
+    return _finish(store, step=step, read=read, progress=progress, truncated=truncated)
+
+
+def _finish(store, *, step: int, read: int, progress, truncated: int) -> str | None:
+    if jax.process_index() != 0:
+        print(f"step {step}: decoded {progress.count} predictions; process 0 writes them")
+        return store.final_path
+    store.record_end(read)
+    spans = store.complete()
+    if spans is None:
+        missing = read - sum(s.end - s.start for s in store.done())
+        print(
+            f"step {step}: this shard's chunks are done; {missing:,} inputs wait for the other "
+            "shards (the last to finish writes the predictions file)",
+            flush=True,
+        )
+        return None
+    store.merge(spans)
+    print(
+        f"step {step}: wrote {read} predictions to {store.final_path} ({progress.count:,} "
+        f"decoded in {progress.seconds:.1f} s, {progress.rate:.1f} examples/s, {truncated} "
+        "truncated)",
+        flush=True,
+    )
+    return store.final_path
+
+
+class _StopWatch:
+    """SIGTERM, looked for after each piece; with several processes the hosts agree on it at
+    sync points numbered across the whole run."""
+
+    def __init__(self):
+        self._watch = preemption.PreemptionWatch()
+        self._ticks = itertools.count()
+
+    def requested(self) -> bool:
+        return self._watch.requested(next(self._ticks))
+
+    def close(self) -> None:
+        self._watch.close()
+
+
+def _decode_each(run: _Run, restorable: _Checkpoints, output_dir: str) -> list[str]:
+    """Decodes with each checkpoint in turn; the operative config goes to
     OUTPUT/infer_config.gin with the first predictions (a run that fails before them keeps the
-    earlier run's). Returns the files."""
-    folder = paths.inference_dir(output_dir)
+    earlier run's). Returns the files written."""
     written = []
-    for step in restorable.steps:
-        rows = decoder.rows(restorable.params(step), chosen)
-        written.append(chosen.predictions_path(folder, step, settings))
-        _write_predictions(written[-1], rows, step)
-        if len(written) == 1:
-            outputs.write_config(paths.infer_config(output_dir))
+    watch = _StopWatch()
+    try:
+        for step in restorable.steps:
+            path = _decode_step(run, restorable, step, watch)
+            if path is None:
+                break
+            written.append(path)
+            if len(written) == 1:
+                outputs.write_config(paths.infer_config(output_dir))
+    finally:
+        watch.close()
     return written
 
 
@@ -320,6 +379,9 @@ def infer(
     split: str = "validation",
     num_examples: int | None = None,
     batch_size: int = 32,
+    chunk_size: int = 4096,
+    shard_id: int = 0,
+    num_shards: int = 1,
     checkpoint_step: int | str = "latest",
     temperature: float = 0.0,
     top_k: int = 0,
@@ -332,26 +394,28 @@ def infer(
     partitioner: Partitioner | None = None,
 ) -> list[str]:
     """Decodes INFER_INPUTS (texts from gin or the command line), else INFER_INPUT_FILE (one per
-    line), else the task's split: the first `num_examples` (None: all). Predictions go to
-    `output_dir` (INFER_OUTPUT_DIR), else MODEL_DIR. Returns the files."""
+    line), else the task's split: the first `num_examples` (None: all), `chunk_size` at a time,
+    the chunks of shard `shard_id` of `num_shards`. Predictions go to `output_dir`
+    (INFER_OUTPUT_DIR), else MODEL_DIR. Returns the files written."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
     settings.check(model.config.vocab_size)
-    _check_settings(num_examples, truncation)
+    assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
+    _check_settings(num_examples, truncation, assignment)
     output_dir = outputs.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
     lengths = pipeline.model_lengths(task_feature_lengths)
-    chosen = _chosen_inputs(
+    source = infer_inputs.chosen(
         inputs=inputs,
         input_file=input_file,
-        mixture_or_task_name=mixture_or_task_name,
-        mixture_or_task_module=mixture_or_task_module,
+        task_name=mixture_or_task_name,
+        task_module=mixture_or_task_module,
         split=split,
-        task_feature_lengths=task_feature_lengths,
+        feature_lengths=task_feature_lengths,
         num_examples=num_examples,
-        vocabulary=model.vocabulary,
     )
-    _check_truncation(chosen, truncation, lengths[0])
+    if truncation == "error":
+        _refuse_overlong(source, model.vocabulary, lengths[0])
     restorable = _Checkpoints.checked(
         model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
     )
@@ -363,4 +427,6 @@ def infer(
         lengths=lengths,
         batch_size=batch_size,
     )
-    return _decode_each(decoder, restorable, chosen, settings, output_dir)
+    folder = paths.inference_dir(output_dir)
+    run = _Run(source, decoder, assignment, settings, num_examples, folder)
+    return _decode_each(run, restorable, output_dir)

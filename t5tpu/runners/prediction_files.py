@@ -1,8 +1,7 @@
 """The files `t5tpu infer` writes: one JSONL file of predictions per checkpoint step, in
 MODEL_DIR/inference (storage.model_dir.inference_dir; INFER_OUTPUT_DIR/inference when it is set),
 named by the settings that change the predictions (file_name) and never another input's
-(own_file). Each is written to a temporary name and renamed, so an interrupted run never leaves
-a half-written result in its place.
+(own_file). The chunks they are assembled from are runners/infer_chunks.py's.
 """
 
 from __future__ import annotations
@@ -10,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
+from collections.abc import Iterable
 
 from etils import epath
 
@@ -38,16 +38,20 @@ def file_name(
     return f"{name}.jsonl"
 
 
-def _inputs_in(path: str) -> list[str] | None:
-    """The inputs of a predictions file, in order; None when it is not one."""
+def _holds(path: str, inputs: Iterable[str]) -> bool:
+    """Whether `path` is a predictions file of exactly `inputs`, in order; both are read as
+    streams, so neither is held in memory."""
+    missing = object()
     try:
         with epath.Path(path).open() as f:
-            return [json.loads(line)["input"] for line in f if line.strip()]
+            held = (json.loads(line)["input"] for line in f if line.strip())
+            pairs = itertools.zip_longest(held, inputs, fillvalue=missing)
+            return all(a == b for a, b in pairs)
     except (ValueError, KeyError, TypeError):
-        return None
+        return False
 
 
-def own_file(path: str, inputs: list[str]) -> str:
+def own_file(path: str, inputs: Iterable[str]) -> str:
     """`path`, unless it holds the predictions of other inputs (an input file of the same name
     in another folder, other INFER_INPUTS): then the first of <name>.2.jsonl, <name>.3.jsonl,
     ... that is free or holds these inputs' predictions. Rerunning a command rewrites its own
@@ -55,7 +59,7 @@ def own_file(path: str, inputs: list[str]) -> str:
     stem, ext = os.path.splitext(path)
     for n in itertools.count(1):
         candidate = path if n == 1 else f"{stem}.{n}{ext}"
-        if not epath.Path(candidate).exists() or _inputs_in(candidate) == inputs:
+        if not epath.Path(candidate).exists() or _holds(candidate, inputs):
             return candidate
 
 
@@ -66,16 +70,7 @@ def predictions_path(
     *,
     num_examples: int | None,
     settings: decoding.DecodingSettings,
-    inputs: list[str],
+    inputs: Iterable[str],
 ) -> str:
     """Where the predictions of `inputs` at `step` go in `folder` (see the module docstring)."""
     return own_file(os.path.join(folder, file_name(source, step, num_examples, settings)), inputs)
-
-
-def write_jsonl(path: str, rows: list[dict]) -> None:
-    epath.Path(path).parent.mkdir(parents=True, exist_ok=True)
-    tmp = f"{path}.tmp"
-    with epath.Path(tmp).open("w") as f:
-        for row in rows:
-            f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    epath.Path(tmp).replace(path)

@@ -1,0 +1,291 @@
+"""`t5tpu infer` on a long file: chunks that survive kill -9 and SIGTERM, shards that split the
+work, a changed input that starts afresh; every way of getting there writes the same bytes as
+one uninterrupted run. The pieces (which inputs a run decodes, the chunk folder) are tested
+in-process first."""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+from cli_runs import (
+    ROOT,
+    TINY_EXPERIMENT,
+    cli_command,
+    free_port,
+    quick_training,
+    run_together,
+    succeeded,
+    t5tpu,
+)
+
+from t5tpu.runners import infer_chunks
+from t5tpu.runners.infer_chunks import Assignment, ChunkStore, Span
+
+STEPS = 2
+CHUNK = 32
+LINES = 300  # ten chunks of 32 and one of 12
+
+
+# --- which inputs a run decodes --------------------------------------------------------------
+
+
+def _spans(total, assignment, done=()):
+    pieces = infer_chunks.pieces(iter(range(total)), assignment=assignment, done=list(done))
+    return [(span.start, span.end, records) for span, records in pieces]
+
+
+def test_pieces_are_whole_chunks_in_input_order():
+    assert _spans(10, Assignment(chunk_size=4)) == [
+        (0, 4, [0, 1, 2, 3]),
+        (4, 8, [4, 5, 6, 7]),
+        (8, 10, [8, 9]),
+    ]
+
+
+def test_each_shard_takes_every_other_chunk_and_skips_the_done_ones():
+    shard0, shard1 = Assignment(4, 0, 2), Assignment(4, 1, 2)
+    assert [s[:2] for s in _spans(18, shard0)] == [(0, 4), (8, 12), (16, 18)]
+    assert [s[:2] for s in _spans(18, shard1)] == [(4, 8), (12, 16)]
+    assert [s[:2] for s in _spans(18, shard0, [Span(8, 12)])] == [(0, 4), (16, 18)]
+
+
+def _store(tmp_path, **manifest):
+    return ChunkStore(str(tmp_path / "out.jsonl"), {"inputs": "abc", **manifest})
+
+
+def test_chunks_merge_in_order_once_every_input_is_covered(tmp_path):
+    store = _store(tmp_path)
+    assert store.open(writer=True) == []
+    store.write(Span(2, 3), ["c\n"])
+    store.write(Span(0, 2), ["a\n", "b\n"])
+    assert store.complete() is None  # the number of inputs is not known yet
+    store.record_end(4)
+    assert store.complete() is None  # input 3 is missing
+    store.write(Span(3, 4), ["d\n"])
+    store.merge(store.complete())
+    assert (tmp_path / "out.jsonl").read_text() == "a\nb\nc\nd\n"
+    assert sorted(os.listdir(tmp_path)) == ["out.jsonl"]
+
+
+def test_chunks_of_other_inputs_are_removed_and_said_once(tmp_path, capsys):
+    store = _store(tmp_path)
+    store.open(writer=True)
+    store.write(Span(0, 2), ["a\n", "b\n"])
+    assert _store(tmp_path).open(writer=True) == [Span(0, 2)]
+    assert capsys.readouterr().err == ""
+    assert _store(tmp_path, step=3).open(writer=True) == []
+    assert capsys.readouterr().err.count("starting afresh") == 1
+    assert _store(tmp_path, step=3).done() == []
+
+
+def test_a_half_written_chunk_is_not_a_chunk(tmp_path):
+    store = _store(tmp_path)
+    store.open(writer=True)
+    (store.folder / f".{Span(0, 2).file_name()}.tmp-99").write_text('{"input": "a"')
+    assert store.done() == []
+
+
+# --- the command -----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("stream_model")
+    succeeded(
+        t5tpu("train", f"--gin_file={TINY_EXPERIMENT}", *quick_training(STEPS), model_dir=path)
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory):
+    """LINES Quora pairs from the bundled sample, as the task writes them."""
+    path = tmp_path_factory.mktemp("inputs") / "pairs.txt"
+    with open(os.path.join(ROOT, "t5tpu", "assets", "quora_sample", "train.tsv")) as f:
+        rows = list(csv.DictReader(f, delimiter="\t"))[:LINES]
+    path.write_text(
+        "".join(f"is duplicate: {r['question1']} <SEP> {r['question2']}\n" for r in rows)
+    )
+    return path
+
+
+def _flags(model_dir, inputs, out, *extra):
+    return [
+        f"--gin_file={TINY_EXPERIMENT}",
+        f"--gin.MODEL_DIR='{model_dir}'",
+        f"--gin.INFER_INPUT_FILE='{inputs}'",
+        f"--gin.INFER_OUTPUT_DIR='{out}'",
+        f"--gin.INFER_CHUNK_SIZE={CHUNK}",
+        "--gin.INFER_BATCH_SIZE=8",
+        *extra,
+    ]
+
+
+def _result(out):
+    return out / "inference" / f"pairs-{STEPS}.jsonl"
+
+
+def _digest(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir, inputs, tmp_path_factory):
+    """One uninterrupted run: the bytes every other way must reproduce."""
+    out = tmp_path_factory.mktemp("reference")
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, out)))
+    assert f"wrote {LINES} predictions to {_result(out)}" in run.stdout
+    assert not (out / "inference" / f"pairs-{STEPS}.jsonl.parts").exists()
+    return _result(out).read_bytes()
+
+
+def _start(model_dir, inputs, out, *extra):
+    return subprocess.Popen(
+        cli_command("infer", *_flags(model_dir, inputs, out, *extra)),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _wait_for_chunks(proc, parts, count, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if parts.is_dir() and sum(n.endswith(".jsonl") for n in os.listdir(parts)) >= count:
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"no {count} chunks in {parts}: {proc.communicate()[1][-2000:]}")
+
+
+@pytest.mark.slow
+def test_kill_9_between_chunks_then_rerun_gives_the_same_file(
+    model_dir, inputs, reference, tmp_path
+):
+    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    proc = _start(model_dir, inputs, tmp_path)
+    _wait_for_chunks(proc, parts, 3)
+    proc.kill()
+    proc.communicate()
+    kept = {n: (parts / n).read_bytes() for n in os.listdir(parts) if n.endswith(".jsonl")}
+    assert len(kept) >= 3 and not _result(tmp_path).exists()
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
+    assert _result(tmp_path).read_bytes() == reference
+    decoded = int(run.stdout.split(" decoded in ")[0].rsplit("(", 1)[1].replace(",", ""))
+    assert decoded == LINES - CHUNK * len(kept)  # the saved chunks were not decoded again
+
+
+@pytest.mark.slow
+def test_kill_9_while_writing_a_chunk_or_merging_then_rerun(model_dir, inputs, reference, tmp_path):
+    """The states a kill leaves mid-write (a chunk's temporary file) and mid-merge (every chunk
+    and a partial final file), made from a shard's real chunks."""
+    shard = ["--gin.INFER_NUM_SHARDS=2", "--gin.INFER_SHARD_ID=0"]
+    succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path, *shard)))
+    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    one = sorted(n for n in os.listdir(parts) if n.endswith(".jsonl"))[0]
+    (parts / f".{one}.tmp-4242").write_bytes((parts / one).read_bytes()[:50])
+    succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
+    assert _result(tmp_path).read_bytes() == reference
+
+    # Every chunk written (shard 1's run alone, elsewhere, keeps its own), none merged yet.
+    merged, odd = tmp_path / "merged", tmp_path / "odd"
+    shard1 = ["--gin.INFER_NUM_SHARDS=2", "--gin.INFER_SHARD_ID=1"]
+    for out, flags in ((merged, shard), (odd, shard1)):
+        succeeded(t5tpu("infer", *_flags(model_dir, inputs, out, *flags)))
+    parts = merged / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    for chunk in (odd / "inference" / f"pairs-{STEPS}.jsonl.parts").glob("0*.jsonl"):
+        (parts / chunk.name).write_bytes(chunk.read_bytes())
+    (merged / "inference" / f"pairs-{STEPS}.jsonl.tmp-4242").write_bytes(reference[:100])
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, merged)))
+    assert "(0 decoded in" in run.stdout
+    assert _result(merged).read_bytes() == reference
+
+
+@pytest.mark.slow
+def test_two_shards_write_the_file_of_one_run(model_dir, inputs, reference, tmp_path):
+    runs = [
+        t5tpu(
+            "infer",
+            *_flags(
+                model_dir,
+                inputs,
+                tmp_path,
+                "--gin.INFER_NUM_SHARDS=2",
+                f"--gin.INFER_SHARD_ID={shard}",
+            ),
+        )
+        for shard in (1, 0)
+    ]
+    assert "wait for the other shards" in succeeded(runs[0]).stdout
+    assert f"wrote {LINES} predictions" in succeeded(runs[1]).stdout
+    assert _result(tmp_path).read_bytes() == reference
+
+
+@pytest.mark.slow
+def test_sigterm_saves_the_chunks_exits_0_and_a_rerun_continues(
+    model_dir, inputs, reference, tmp_path
+):
+    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    proc = _start(model_dir, inputs, tmp_path)
+    _wait_for_chunks(proc, parts, 2)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "SIGTERM: stopped with" in stdout and not _result(tmp_path).exists()
+    succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
+    assert _result(tmp_path).read_bytes() == reference
+
+
+@pytest.mark.slow
+def test_an_input_changed_between_runs_starts_afresh_said_once(model_dir, inputs, tmp_path):
+    changed = tmp_path / "pairs.txt"
+    changed.write_text(inputs.read_text())
+    shard = ["--gin.INFER_NUM_SHARDS=2", "--gin.INFER_SHARD_ID=0"]
+    succeeded(t5tpu("infer", *_flags(model_dir, changed, tmp_path, *shard)))
+    changed.write_text(inputs.read_text().replace("is duplicate:", "is duplicate?", 7))
+    run = succeeded(t5tpu("infer", *_flags(model_dir, changed, tmp_path)))
+    assert run.stderr.count("starting afresh") == 1
+    assert f"({LINES:,} decoded in" in run.stdout
+    fresh = tmp_path / "fresh"
+    succeeded(t5tpu("infer", *_flags(model_dir, changed, fresh)))
+    assert _result(tmp_path).read_bytes() == _result(fresh).read_bytes()
+
+
+@pytest.mark.slow
+def test_progress_lines_say_done_total_rate_and_eta(model_dir, inputs, tmp_path):
+    env = dict(os.environ, T5TPU_PROGRESS_SECONDS="0")
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path), env=env))
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(f"infer step {STEPS}: ")]
+    assert lines[0].startswith(f"infer step {STEPS}: {CHUNK}/{LINES} examples (10.7%)")
+    assert lines[-1].startswith(f"infer step {STEPS}: {LINES}/{LINES} examples (100.0%)")
+    assert all(" examples/s  ETA " in ln for ln in lines)
+
+
+@pytest.mark.slow
+def test_two_processes_of_one_run_write_the_file_of_one(model_dir, inputs, reference, tmp_path):
+    """jax.distributed on localhost, 2 fake devices a process: the mesh spans both, each
+    decodes its rows of every batch, and process 0 writes the chunks and the file."""
+    port = free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    runs = run_together(
+        [
+            cli_command(
+                "infer",
+                f"--coordinator_address=localhost:{port}",
+                "--num_processes=2",
+                f"--process_id={pid}",
+                *_flags(model_dir, inputs, tmp_path),
+            )
+            for pid in range(2)
+        ],
+        env=env,
+    )
+    assert f"wrote {LINES} predictions" in succeeded(runs[0]).stdout
+    assert "process 0 writes them" in succeeded(runs[1]).stdout
+    assert _result(tmp_path).read_bytes() == reference
