@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pathlib
 import subprocess
 import sys
 import weakref
@@ -69,6 +70,53 @@ def test_predict_gives_what_the_cli_infer_writes(model, model_dir):
     # Five inputs with batch_size 4: two calls, the second padded; same answers one at a time.
     five = inputs + inputs[:2]
     assert model.predict(five) == [model.predict([text])[0] for text in five]
+
+
+def test_predict_file_writes_the_bytes_infer_writes_and_resumes(model, model_dir, tmp_path):
+    """...in chunks: a call stopped after its first chunk continues from the second."""
+    infer_file = os.path.join(model_dir, "inference", f"questions-{STEPS}.jsonl")
+    if not os.path.exists(infer_file):
+        succeeded(
+            t5tpu(
+                "infer",
+                f"--gin_file={TINY_EXPERIMENT}",
+                f"--gin.INFER_INPUT_FILE='{QUESTIONS}'",
+                model_dir=model_dir,
+            )
+        )
+    out = tmp_path / "predictions.jsonl"
+    calls = []
+    decode = model._predict_texts
+
+    def stopped_after_one_chunk(texts, *, first, settings):
+        calls.append(first)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return decode(texts, first=first, settings=settings)
+
+    model._predict_texts = stopped_after_one_chunk
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.predict_file(QUESTIONS, str(out), chunk_size=2)
+        assert not out.exists() and calls == [0, 2]
+        calls.clear()
+        assert model.predict_file(QUESTIONS, str(out), chunk_size=2) == str(out)
+    finally:
+        del model._predict_texts
+    assert calls == [2]  # the saved chunk was not decoded again
+    assert out.read_bytes() == pathlib.Path(infer_file).read_bytes()
+
+
+def test_predict_iter_streams_what_predict_returns(model):
+    with open(QUESTIONS) as f:
+        inputs = [line.strip() for line in f if line.strip()] * 3
+    for settings in ({}, {"temperature": 1.0, "seed": 7}, {"num_beams": 2}):
+        whole = model.predict(inputs, **settings)
+        assert list(model.predict_iter(iter(inputs), batch_size=4, **settings)) == whole
+    stream = model.predict_iter(iter(inputs), batch_size=2)
+    assert next(stream) == model.predict(inputs[:1])[0]  # answers before the input is read
+    with pytest.raises(UserError, match="unknown decoding setting 'beams'"):
+        next(model.predict_iter(inputs, beams=2))
 
 
 @pytest.fixture(scope="module")

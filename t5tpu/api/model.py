@@ -13,6 +13,8 @@ done by the tasks (`t5tpu.tasks.quora.is_duplicate(model, ...)`, `t5tpu.tasks.sq
 from __future__ import annotations
 
 import dataclasses
+import itertools
+from collections.abc import Iterable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -132,21 +134,35 @@ class T5Model:
         as a tokenizer writes them. num_beams > 1 is beam search (length penalty 0.6);
         temperature > 0 samples (from the top_k most likely tokens when top_k > 0), seeded.
         """
-        if max_new_tokens is None:
-            max_new_tokens = self.shapes.max_target_length
+        settings = self._settings(max_new_tokens, num_beams, temperature, top_k, seed)
+        rows = _ids_rows(input_ids)
+        return self._generate(rows, range(len(rows)), settings)
+
+    def _settings(self, max_new_tokens, num_beams, temperature, top_k, seed) -> _Settings:
+        max_new_tokens = self.shapes.max_target_length if max_new_tokens is None else max_new_tokens
         _check_count("max_length", max_new_tokens)
         settings = decoding.DecodingSettings(
             temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
         )
         settings.check(self.model.config.vocab_size)
-        decode = self._decoder(max_new_tokens, settings)
-        rng = jax.random.PRNGKey(seed)
+        return _Settings(max_new_tokens, settings)
+
+    def _generate(self, rows: list, indices, settings: _Settings) -> np.ndarray:
+        """Decoded ids of `rows`; `indices` are their places among all the inputs, which seed
+        each row's sampling (decoding.row_keys), so a row samples alike in any batch."""
+        decode = self._decoder(settings.max_length, settings.decoding)
+        indices = list(indices)
         outputs = []
-        for chunk in self._chunks(_ids_rows(input_ids)):
-            rng, chunk_rng = jax.random.split(rng)
+        for start in range(0, len(rows), self.shapes.batch_size):
+            chunk = rows[start : start + self.shapes.batch_size]
+            places = np.zeros(self.shapes.batch_size, np.int64)
+            places[: len(chunk)] = indices[start : start + len(chunk)]
+            keys = decoding.row_keys(settings.decoding.seed, places)
             tokens = self._input_tokens(chunk)
-            outputs.append(np.asarray(decode(self.params, tokens, chunk_rng))[: len(chunk)])
-        return np.concatenate(outputs) if outputs else np.zeros((0, max_new_tokens), np.int32)
+            outputs.append(np.asarray(decode(self.params, tokens, keys))[: len(chunk)])
+        if not outputs:
+            return np.zeros((0, settings.max_length), np.int32)
+        return np.concatenate(outputs)
 
     def logits(self, input_ids, decoder_input_ids, attention_mask=None) -> np.ndarray:
         """float32 [batch, decoder length, vocab] logits, as transformers' T5 returns them.
@@ -192,15 +208,60 @@ class T5Model:
     ) -> list[str]:
         """The model's output text for each input (in the task's format, e.g. 'question: ...
         context: ...'); see generate_ids for the decoding settings."""
-        ids = self.generate_ids(
-            [self._encode(text) for text in _texts(inputs)],
-            max_new_tokens=max_length,
-            num_beams=num_beams,
-            temperature=temperature,
-            top_k=top_k,
-            seed=seed,
+        settings = self._settings(max_length, num_beams, temperature, top_k, seed)
+        return self._predict_texts(_texts(inputs), first=0, settings=settings)
+
+    def predict_iter(
+        self, inputs: Iterable[str], *, batch_size: int = 1024, **settings
+    ) -> Iterator[str]:
+        """predict's output for each input of an iterable, in order, as it goes: `batch_size`
+        inputs are read, decoded (batched by length) and yielded at a time, so a stream of any
+        length takes the memory of one such group. `settings` as predict's."""
+        _check_count("batch_size", batch_size)
+        chosen = self._settings(
+            settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
         )
-        return [self.vocabulary.decode(row.tolist()) for row in ids]
+        iterator = iter(inputs)
+        first = 0
+        while group := list(itertools.islice(iterator, batch_size)):
+            yield from self._predict_texts(_texts(group), first=first, settings=chosen)
+            first += len(group)
+
+    def predict_file(
+        self, input_file: str, output_file: str, *, chunk_size: int = 4096, **settings
+    ) -> str:
+        """Decodes a text file (one input per line; a glob or a comma list of files too) into
+        a JSON-lines file of {"input", "prediction"}, as `t5tpu infer` does: in chunks saved
+        beside it, so calling again after an interruption continues where it stopped, and the
+        result is the same bytes. Returns `output_file`."""
+        from t5tpu.api import prediction_file
+
+        _check_count("chunk_size", chunk_size)
+        chosen = self._settings(
+            settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
+        )
+        return prediction_file.write(
+            input_file,
+            output_file,
+            decode=lambda texts, first: self._predict_texts(texts, first=first, settings=chosen),
+            identity={
+                "model": self.source,
+                "max_length": chosen.max_length,
+                "settings": dataclasses.asdict(chosen.decoding),
+            },
+            chunk_size=chunk_size,
+        )
+
+    def _predict_texts(self, texts: list[str], *, first: int, settings: _Settings) -> list[str]:
+        """Texts decoded in batches of similar length (fewer, shorter padded shapes); `first` is
+        the place of texts[0] among all the inputs."""
+        encoded = [self._encode(text) for text in texts]
+        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
+        ids = self._generate([encoded[i] for i in order], [first + i for i in order], settings)
+        decoded = [""] * len(texts)
+        for i, row in zip(order, ids, strict=True):
+            decoded[i] = self.vocabulary.decode(row.tolist())
+        return decoded
 
     def score(self, inputs: list[str], targets: list[str]) -> np.ndarray:
         """float32 log-likelihood of each target given its input, summed over the target's
@@ -272,7 +333,7 @@ class T5Model:
 
         return self._program(
             ("decode", max_length, settings),
-            lambda: self._jit(decode, batch_args=1, replicated_args=1),
+            lambda: self._jit(decode, batch_args=2),
         )
 
     def _forward(self):
@@ -296,6 +357,27 @@ class T5Model:
             return network.score(params, batch)
 
         return self._program(("score",), lambda: self._jit(score, batch_args=3))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+    """A call's decoding: the longest output and how each token is picked."""
+
+    max_length: int
+    decoding: decoding.DecodingSettings
+
+
+_DEFAULTS = {"num_beams": 1, "temperature": 0.0, "top_k": 0, "seed": 0}
+
+
+def _known(settings: dict) -> dict:
+    unknown = sorted(set(settings) - set(_DEFAULTS))
+    if unknown:
+        raise UserError(
+            f"unknown decoding setting {unknown[0]!r}; use max_length, "
+            + ", ".join(sorted(_DEFAULTS))
+        )
+    return settings
 
 
 def _texts(values) -> list[str]:

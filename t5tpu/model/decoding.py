@@ -15,6 +15,7 @@ from typing import Any, NamedTuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from t5tpu.errors import UserError
 
@@ -120,6 +121,15 @@ def _decoder_step(module, params, cache, encoded, encoder_input_tokens, token, p
         method="decode",
     )
     return logits[:, 0], updated["cache"]
+
+
+def row_keys(seed: int, indices) -> np.ndarray:
+    """A sampling key for each example, from its index among the inputs ([len(indices), 2]):
+    an example's draw then depends on the seed and its place, never on its batch mates, so
+    infer's chunks, the Python API's calls and a server's batches sample alike."""
+    base = jax.random.PRNGKey(seed)
+    indices = np.asarray(indices, np.uint32)
+    return np.asarray(jax.vmap(lambda i: jax.random.fold_in(base, i))(indices))
 
 
 def _split(rng: Array) -> tuple[Array, Array]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import json
 import sys
 
 import jax
@@ -138,10 +137,7 @@ class _Decoder:
         )
 
     def _keys(self, indices: np.ndarray) -> np.ndarray | None:
-        if not self.settings.samples:
-            return None
-        base = jax.random.PRNGKey(self.settings.seed)
-        return np.asarray(jax.vmap(lambda i: jax.random.fold_in(base, i))(indices))
+        return decoding.row_keys(self.settings.seed, indices) if self.settings.samples else None
 
     def _batch(self, params, examples: list[_Example], rows: list[int], first: int) -> np.ndarray:
         """Token ids of `rows`, padded to the batch size and the bucket of the longest."""
@@ -172,16 +168,11 @@ class _Decoder:
             if stop():
                 return None
         return [
-            _line(ex.record, self.vocabulary.decode(predictions[i].tolist()))
+            prediction_files.json_line(
+                ex.record.text, self.vocabulary.decode(predictions[i].tolist()), ex.record.target
+            )
             for i, ex in enumerate(examples)
         ]
-
-
-def _line(record: infer_inputs.Record, prediction: str) -> str:
-    row = {"input": record.text, "prediction": prediction}
-    if record.target is not None:
-        row["target"] = record.target
-    return json.dumps(row, ensure_ascii=False) + "\n"
 
 
 def _check_settings(

@@ -74,3 +74,11 @@ def predictions_path(
 ) -> str:
     """Where the predictions of `inputs` at `step` go in `folder` (see the module docstring)."""
     return own_file(os.path.join(folder, file_name(source, step, num_examples, settings)), inputs)
+
+
+def json_line(text: str, prediction: str, target: str | None = None) -> str:
+    """One line of a predictions file: {"input", "prediction"} and "target" when known."""
+    row = {"input": text, "prediction": prediction}
+    if target is not None:
+        row["target"] = target
+    return json.dumps(row, ensure_ascii=False) + "\n"
