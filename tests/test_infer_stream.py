@@ -289,3 +289,20 @@ def test_two_processes_of_one_run_write_the_file_of_one(model_dir, inputs, refer
     assert f"wrote {LINES} predictions" in succeeded(runs[0]).stdout
     assert "process 0 writes them" in succeeded(runs[1]).stdout
     assert _result(tmp_path).read_bytes() == reference
+
+
+@pytest.mark.slow
+def test_eval_shows_the_same_progress(model_dir, tmp_path):
+    env = dict(os.environ, T5TPU_PROGRESS_SECONDS="0")
+    run = succeeded(
+        t5tpu(
+            "eval",
+            f"--gin_file={TINY_EXPERIMENT}",
+            f"--gin.MODEL_DIR='{model_dir}'",
+            f"--gin.EVAL_OUTPUT_DIR='{tmp_path}'",
+            "--gin.EVAL_BATCH_SIZE=35",
+            env=env,
+        )
+    )
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith(f"eval step {STEPS} (decode)")]
+    assert [ln.split()[4] for ln in lines] == ["35/105", "70/105", "105/105"]

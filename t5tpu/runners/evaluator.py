@@ -21,6 +21,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners import example_progress
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import model_dir as paths
 
@@ -96,8 +97,13 @@ class TaskEvaluator:
             )
         return self._writer
 
-    def _run(self, ds: tf.data.Dataset, fn, params) -> list:
+    def _run(self, ds: tf.data.Dataset, fn, params, *, step: int, what: str) -> list:
+        """fn's output for every example of `ds`, with a progress line on a long split."""
         results = []
+        total = int(ds.cardinality())
+        progress = example_progress.ExampleProgress(
+            f"eval step {step} ({what})", total=total if total >= 0 else None
+        )
         for indices, features in batches.padded_batches(ds, self.batch_size):
             real = len(indices)
             batch = batches.full_batch_to_global(
@@ -106,6 +112,7 @@ class TaskEvaluator:
             )
             out = np.asarray(jax.device_get(fn(params, batch)))[:real]
             results.extend(zip(indices.tolist(), out.tolist(), strict=True))
+            progress.add(real)
         return results
 
     def __call__(self, params, step: int) -> dict:
@@ -113,8 +120,8 @@ class TaskEvaluator:
         future, _ = self.evaluator.evaluate(
             compute_metrics=jax.process_index() == 0,
             step=step,
-            predict_fn=lambda ds: self._run(ds, self._predict, params),
-            score_fn=lambda ds: self._run(ds, self._score, params),
+            predict_fn=lambda ds: self._run(ds, self._predict, params, step=step, what="decode"),
+            score_fn=lambda ds: self._run(ds, self._score, params, step=step, what="score"),
         )
         took = f"eval at step {step} ({time.time() - start:.1f}s)"
         if jax.process_index() != 0:  # seqio computes the metrics on process 0 only
