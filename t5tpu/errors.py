@@ -1,5 +1,10 @@
 """Errors that t5tpu reports to the user without a traceback."""
 
+import errno
+
+# OSErrors that are the machine's, whatever was being written when they struck.
+_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
+
 
 class UserError(Exception):
     """An error the user caused and can fix; the command line prints its message as one line
@@ -18,6 +23,16 @@ class EnvironmentFault(Exception):
         super().__init__(f"{path}: {cause}")
         self.path = path
         self.cause = cause
+
+
+def environment_fault(error: Exception) -> EnvironmentFault | None:
+    """`error` as an EnvironmentFault if it is one (or an OSError of a full disk or a failing
+    device, wherever it struck), else None."""
+    if isinstance(error, EnvironmentFault):
+        return error
+    if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
+        return EnvironmentFault(error.filename or "t5tpu", error.strerror or str(error))
+    return None
 
 
 def one_line_message(error: Exception) -> str:

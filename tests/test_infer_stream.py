@@ -8,10 +8,12 @@ from __future__ import annotations
 import csv
 import hashlib
 import os
+import pathlib
 import signal
 import subprocess
 import time
 
+import fault_mounts
 import pytest
 from cli_runs import (
     ROOT,
@@ -306,3 +308,28 @@ def test_eval_shows_the_same_progress(model_dir, tmp_path):
     )
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith(f"eval step {STEPS} (decode)")]
     assert [ln.split()[4] for ln in lines] == ["35/105", "70/105", "105/105"]
+
+
+@pytest.mark.slow
+def test_a_full_disk_stops_with_one_line_keeps_the_chunks_and_a_rerun_finishes(
+    model_dir, inputs, reference, tmp_path
+):
+    with fault_mounts.tmpfs(tmp_path / "disk", 4 << 20) as disk:
+        out = pathlib.Path(disk) / "out"
+        out.mkdir()
+        filler = fault_mounts.fill(disk, leave_free_bytes=24 << 10)
+        run = t5tpu("infer", *_flags(model_dir, inputs, out))
+        lines = [ln for ln in run.stderr.splitlines() if ln.strip()]
+        assert run.returncode == 1 and len(lines) == 1, run.stderr[-2000:]
+        assert "No space left on device" in lines[0]
+        parts = out / "inference" / f"pairs-{STEPS}.jsonl.parts"
+        saved = sorted(parts.glob("0*.jsonl"))
+        assert saved and not _result(out).exists()
+        expected = reference.decode().splitlines(keepends=True)
+        for chunk in saved:  # each saved chunk holds exactly its inputs' predictions
+            start, end = (int(n) for n in chunk.stem.split("-"))
+            assert chunk.read_text() == "".join(expected[start:end])
+        os.remove(filler)
+        rerun = succeeded(t5tpu("infer", *_flags(model_dir, inputs, out)))
+        assert f"({LINES - CHUNK * len(saved):,} decoded in" in rerun.stdout
+        assert _result(out).read_bytes() == reference

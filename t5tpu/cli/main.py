@@ -7,22 +7,19 @@ flags are answered before jax, TensorFlow or seqio is imported, so they answer a
 
 from __future__ import annotations
 
-import errno
 import os
 import sys
 
 from absl import app, flags, logging
 
 from t5tpu.cli import commands, gin_flags, help_text
-from t5tpu.errors import EnvironmentFault, UserError, one_line_message
+from t5tpu.errors import EnvironmentFault, UserError, environment_fault, one_line_message
 from t5tpu.runtime import host_memory, process_setup
 
 HELP_WORDS = frozenset({"-h", "--help", "--helpshort", "help"})
 # Exit codes: the user's input (fix it and rerun) versus the machine (a full disk, a failing
 # device: the input was fine).
 USER_INPUT, ENVIRONMENT = 2, 1
-# OSErrors that are the machine's, whatever was being written when they struck.
-_ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO})
 
 
 def fail(message: str, code: int = USER_INPUT) -> None:
@@ -32,16 +29,6 @@ def fail(message: str, code: int = USER_INPUT) -> None:
     # os._exit, not sys.exit: nothing is being written at this point, and interpreter teardown
     # would let orbax's and TensorFlow's background threads print tracebacks after our line.
     os._exit(code)
-
-
-def environment_fault(error: Exception) -> EnvironmentFault | None:
-    """`error` as an EnvironmentFault if it is one (or an OSError of a full disk or a failing
-    device, wherever it struck), else None."""
-    if isinstance(error, EnvironmentFault):
-        return error
-    if isinstance(error, OSError) and error.errno in _ENVIRONMENT_ERRNOS:
-        return EnvironmentFault(error.filename or "t5tpu", error.strerror or str(error))
-    return None
 
 
 def interrupted() -> None:

@@ -22,7 +22,7 @@ from etils import epath
 
 from t5tpu import package_files
 from t5tpu.config import macro_limits
-from t5tpu.errors import UserError
+from t5tpu.errors import UserError, environment_fault
 
 CONFIGURABLE_MODULES = (
     "t5tpu.model.network",
@@ -190,7 +190,15 @@ def runner(fn):
                     f"{_setting_name(fn.__name__, name)} = {value!r} must be a whole number, "
                     "e.g. 1000"
                 )
-        return fn(**kwargs)
+        try:
+            return fn(**kwargs)
+        except OSError as e:
+            # gin re-raises what a configurable raised as a proxy that has lost an OSError's
+            # errno: a full disk is told apart here, while it still can be.
+            fault = environment_fault(e)
+            if fault is None:
+                raise
+            raise fault from e
 
     return gin.configurable(checked)
 
