@@ -250,8 +250,8 @@ def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path,
         "cannot read the 'validation' split of task 'squad_v1': tfds squad/v1.1/3.0.0 is not "
         f"prepared in {data_dir}/squad/v1.1/3.0.0 and preparing it failed (ConnectionError: "
         "Failed to resolve the host of squad); prepare it on a machine with internet and point "
-        "the task's tfds data_dir at it, or bind the task's own files in gin (README: Tasks and "
-        "data)"
+        "the task's tfds data_dir at it, or bind the task's own files in gin (docs/USAGE.md: "
+        "Tasks and data)"
     )
 
 

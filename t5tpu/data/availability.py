@@ -163,5 +163,6 @@ def _cannot_prepare(builder, cause: str) -> str:
     return (
         f"tfds {builder.info.full_name} is not prepared in {builder.data_dir} and preparing "
         f"it failed ({cause}); prepare it on a machine with internet and point the task's "
-        "tfds data_dir at it, or bind the task's own files in gin (README: Tasks and data)"
+        "tfds data_dir at it, or bind the task's own files in gin (docs/USAGE.md: Tasks and "
+        "data)"
     )
