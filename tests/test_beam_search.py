@@ -10,24 +10,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import seqio
+from tiny import tiny_config
 
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.network import Transformer
 
 EOS = 1
 
 
 def _random_model(vocab_size: int, seed: int, scale: float):
-    cfg = T5Config(
-        vocab_size=vocab_size,
-        emb_dim=32,
-        num_heads=2,
-        head_dim=16,
-        mlp_dim=64,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
-    )
+    cfg = tiny_config(vocab_size=vocab_size, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64)
     module = Transformer(cfg)
     ones = jnp.ones((1, 8), jnp.int32)
     params = module.init(jax.random.PRNGKey(seed), ones, ones)["params"]
@@ -155,7 +148,7 @@ def test_predict_dispatches_on_num_beams(monkeypatch):
     calls = []
     monkeypatch.setattr(decoding, "beam_search", lambda *a: calls.append(("beam", a)) or (0, 0))
     monkeypatch.setattr(decoding, "decode", lambda *a: calls.append(("greedy", a)))
-    cfg = T5Config(vocab_size=96)
+    cfg = tiny_config(vocab_size=96)
     model = EncoderDecoderModel(cfg, seqio.PassThroughVocabulary(96, eos_id=EOS))
     batch = {"encoder_input_tokens": "tokens"}
     model.predict(

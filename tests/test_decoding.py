@@ -4,22 +4,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from tiny import tiny_config
 
 from t5tpu.model import decoding
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.network import Transformer
 
 EOS = 1
 
 
 def _random_model(variant: str):
-    cfg = T5Config(
+    cfg = tiny_config(
         vocab_size=96,
         emb_dim=32,
         num_heads=2,
         head_dim=16,
         mlp_dim=64,
-        num_encoder_layers=2,
-        num_decoder_layers=2,
         mlp_activations=("relu",) if variant == "1.0" else ("gelu", "linear"),
         logits_via_embedding=variant == "1.0",
     )

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import traverse_util
+from tiny import tiny_config
 
 from t5tpu.errors import UserError
 from t5tpu.model import layers
@@ -22,16 +23,8 @@ VARIANTS = {
 }
 
 
-SMALL = dict(
-    vocab_size=64,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-    dtype="float32",
-)
+# Narrower than the tiny model (a 64-piece vocabulary), in float32.
+SMALL = dict(vocab_size=64, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64, dtype="float32")
 
 
 # The test networks are tiny, so XLA's CPU compile time dominates; its cheaper optimization
@@ -44,7 +37,7 @@ def jit(fn):
 
 
 def small_config(variant: str, **overrides) -> T5Config:
-    return T5Config(**{**SMALL, **VARIANTS[variant], **overrides})
+    return tiny_config(**{**SMALL, **VARIANTS[variant], **overrides})
 
 
 def random_tokens(seed: int, shape: tuple[int, ...], low: int = 1, high: int = 64) -> np.ndarray:

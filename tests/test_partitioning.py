@@ -7,35 +7,28 @@ count is fixed when jax is first imported and pytest imports every test module i
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
 import pytest
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
+from tiny import tiny_config
 
 from t5tpu import partitioning
-from t5tpu.model.network import T5Config
 from t5tpu.planning.placements import boxed_params
 from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# A small T5 1.1 (1+1 layers) whose heads, mlp and vocab divide every mesh up to 8-way model
-# parallelism, and whose 128 x 256 kernels Adafactor factors.
-GEOMETRY = dict(
-    vocab_size=1024,
-    emb_dim=128,
-    num_heads=8,
-    head_dim=16,
-    mlp_dim=256,
-    num_encoder_layers=1,
-    num_decoder_layers=1,
-)
+# The tiny T5 1.1 with 1+1 layers and 8 heads: heads, mlp and vocab divide every mesh up to 8-way
+# model parallelism, and its 128 x 256 kernels Adafactor factors.
+CONFIG = tiny_config(num_heads=8, head_dim=16, num_encoder_layers=1, num_decoder_layers=1)
 MESHES = {"8x1": 1, "4x2": 2, "2x4": 4, "1x8": 8}
 
 
 def _specs(rules, mesh, config=None):
-    boxed = boxed_params(config or T5Config(**GEOMETRY), 16, 8)
+    boxed = boxed_params(config or CONFIG, 16, 8)
     specs = partitioning.param_specs(boxed, rules, mesh)
     flat = {}
     import jax
@@ -115,7 +108,7 @@ def test_2d_activation_rules_come_before_the_parameter_rule_for_embed():
 
 
 def test_a_dimension_the_mesh_does_not_divide_stays_replicated():
-    twelve_heads = T5Config(**{**GEOMETRY, "num_heads": 12})
+    twelve_heads = dataclasses.replace(CONFIG, num_heads=12)
     specs = _specs(
         partitioning.standard_logical_axis_rules(), {"data": 1, "model": 8}, twelve_heads
     )
@@ -127,7 +120,7 @@ def _opt_specs(optimizer):
     import flax.linen as nn
     import jax
 
-    boxed = boxed_params(T5Config(**GEOMETRY), 16, 8)
+    boxed = boxed_params(CONFIG, 16, 8)
     params = nn.unbox(boxed)
     rules = partitioning.standard_logical_axis_rules()
     specs = partitioning.param_specs(boxed, rules, MESH_4X2)
@@ -200,7 +193,7 @@ def test_decoding_caches_are_sharded_by_the_rules(eight_devices):
     # Self- and cross-attention key caches (16 rows, 8 heads; the heads dimension is the only
     # one of size 8): rows over 'data', heads over 'model', nothing else sharded.
     for kind, cache in eight_devices["caches"].items():
-        heads = cache["shape"].index(GEOMETRY["num_heads"])
+        heads = cache["shape"].index(CONFIG.num_heads)
         expected = [None] * 4
         expected[0], expected[heads] = "data", "model"
         assert cache["spec"] == expected, kind
@@ -219,7 +212,7 @@ def _worker() -> dict:
 
     assert jax.device_count() == 8
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())
-    model = EncoderDecoderModel(T5Config(**GEOMETRY), vocabulary)
+    model = EncoderDecoderModel(CONFIG, vocabulary)
     optimizer = optim.adafactor(learning_rate=0.01)
     batch = padded_batch(np.random.default_rng(0), 16, 16, 8)
     results = {}

@@ -20,6 +20,7 @@ import optax
 import pytest
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
+from tiny import tiny_config
 
 from t5tpu import partitioning
 from t5tpu.data import vocab
@@ -29,27 +30,14 @@ from t5tpu.storage import checkpoints
 from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Tiny T5 1.1 with different encoder and decoder depths, so a mix-up of the stacks shows.
-TINY = T5Config(
-    vocab_size=64,
-    emb_dim=32,
-    num_heads=2,
-    head_dim=16,
-    mlp_dim=64,
-    num_encoder_layers=3,
-    num_decoder_layers=2,
+# Narrower than the tiny T5 1.1, with different encoder and decoder depths, so a mix-up of the
+# stacks shows.
+TINY = tiny_config(
+    vocab_size=64, emb_dim=32, num_heads=2, head_dim=16, mlp_dim=64, num_encoder_layers=3
 )
-# For the train steps: kernels of 128 x 256 that Adafactor factors, heads/mlp/vocab that divide a
-# 4-way 'model' axis (as in test_partitioning.py).
-TRAIN_GEOMETRY = dict(
-    vocab_size=1024,
-    emb_dim=128,
-    num_heads=8,
-    head_dim=16,
-    mlp_dim=256,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-)
+# For the train steps: the tiny model's kernels of 128 x 256 that Adafactor factors, with 8 heads,
+# so that heads/mlp/vocab divide a 4-way 'model' axis (as in test_partitioning.py).
+TRAIN_CONFIG = tiny_config(num_heads=8, head_dim=16)
 FAST_COMPILE = {"xla_backend_optimization_level": 0, "xla_llvm_disable_expensive_passes": True}
 
 
@@ -272,7 +260,7 @@ def test_checkpoints_of_scanned_and_unrolled_runs_are_interchangeable(tmp_path, 
 
 def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     from t5tpu.formats import (
-        convert,
+        conversion,
         hf_format,  # imports tensorflow: kept out of the 8-device worker
     )
     from t5tpu.formats.vocabulary_source import VocabularySource
@@ -280,8 +268,8 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     unrolled, stacked = params
     abstract = _abstract(stacked)
     # A t5tpu checkpoint_N directory, as INITIAL_CHECKPOINT_PATH.
-    step_dir = convert.save_params(str(tmp_path / "t5tpu"), 0, unrolled)
-    loaded = convert.load_pretrained(step_dir, abstract, _single_device(abstract))
+    step_dir = conversion.save_params(str(tmp_path / "t5tpu"), 0, unrolled)
+    loaded = conversion.load_pretrained(step_dir, abstract, _single_device(abstract))
     assert_trees_equal(jax.device_get(loaded), stacked)
     # A Hugging Face directory, read by its importer (layers_N) and then stacked.
     hf_dir = str(tmp_path / "hf")
@@ -290,7 +278,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     bundled = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
     hf_format.export(hf_params, config, hf_dir, bundled)
     expected = layer_stacking.stack_layers(hf_params)
-    loaded = convert.load_pretrained(hf_dir, _abstract(expected))
+    loaded = conversion.load_pretrained(hf_dir, _abstract(expected))
     assert_trees_equal(loaded, expected)
 
 
@@ -331,7 +319,7 @@ def _worker() -> dict:
     vocabulary = vocab.default_vocabulary(vocab.bundled_vocabulary_file())
     optimizer = optim.adafactor(learning_rate=0.01)
     batch = padded_batch(np.random.default_rng(0), 16, 16, 8)
-    config = T5Config(**TRAIN_GEOMETRY)
+    config = TRAIN_CONFIG
     unrolled_model = EncoderDecoderModel(config, vocabulary)
     params = jax.tree.map(lambda x: x / 3, random_params(config))  # order 0.1, as T5's init
     initial = jax.device_get(trainer.TrainState(np.int32(0), params, optimizer.init(params)))
