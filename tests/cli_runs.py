@@ -20,6 +20,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SHARED_DATA = os.path.join(ROOT, "..", "shared", "data")
 # A 1M-parameter T5 1.1 on the bundled Quora sample: every subcommand runs in seconds on CPU.
 TINY_EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
+# The steps of train_tiny's run, which conftest.py's `trained_tiny` fixture shares.
+TRAINED_TINY_STEPS = 2
 
 
 def cli_command(*args: str) -> list[str]:
@@ -81,6 +83,13 @@ def quick_training(steps: int) -> list[str]:
     """Flags for `steps` training steps of batch 8 and a checkpoint at the last: something to
     evaluate or decode with, in little more than start-up and compile time."""
     return [f"--gin.TRAIN_STEPS={steps}", "--gin.BATCH_SIZE=8", f"--gin.SAVE_PERIOD={steps}"]
+
+
+def train_tiny(model_dir) -> subprocess.CompletedProcess:
+    """Trains the tiny experiment for TRAINED_TINY_STEPS steps (quick_training) into model_dir:
+    the run conftest.py's `trained_tiny` fixture shares."""
+    flags = quick_training(TRAINED_TINY_STEPS)
+    return succeeded(t5tpu("train", f"--gin_file={TINY_EXPERIMENT}", *flags, model_dir=model_dir))
 
 
 def read_json(path):

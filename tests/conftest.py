@@ -1,9 +1,12 @@
-"""Shared test set-up: every test starts from an empty gin configuration.
+"""Shared test set-up: every test starts from an empty gin configuration; the fixtures
+tiny_config and trained_tiny; the files with slow tests run first.
 
-Several tests parse gin files in-process (model configs, plans, conversions); without this, a
-binding left by one (say the real T5 vocabulary on gs://) would leak into the next.
+Several tests parse gin files in-process (model configs, plans, conversions); without the empty
+configuration, a binding left by one (say the real T5 vocabulary on gs://) would leak into the
+next.
 """
 
+import collections
 import os
 
 # transformers serves the tests as a PyTorch reference; with TensorFlow (and Keras 3) installed
@@ -20,6 +23,23 @@ def tiny_config():
     from tiny import tiny_config as make
 
     return make
+
+
+@pytest.fixture(scope="session")
+def trained_tiny(tmp_path_factory):
+    """MODEL_DIR (a pathlib.Path) of the tiny Quora experiment trained for
+    cli_runs.TRAINED_TINY_STEPS steps (cli_runs.train_tiny), once per worker: a checkpoint to
+    evaluate, decode or load. The files that ask for it share it, so read it only: a test that
+    writes into its MODEL_DIR (eval, or infer without INFER_OUTPUT_DIR) works on a copy
+    (shutil.copytree). Tests of training itself train their own runs."""
+    from cli_runs import file_digests, train_tiny
+
+    path = tmp_path_factory.mktemp("trained_tiny") / "model"
+    train_tiny(path)
+    before = file_digests(path)
+    yield path
+    # Other files' tests would have seen what one wrote: say so at the end of the session.
+    assert file_digests(path) == before, f"a test wrote into the shared {path}; copy it first"
 
 
 @pytest.fixture(autouse=True)
@@ -39,23 +59,10 @@ if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
 
 
 # scripts/test.sh hands whole files to two workers in collection order (--dist loadfile,
-# --no-loadscope-reorder). Starting with the longest files (measured, minutes each) keeps both
-# workers busy to the end, instead of one running test_resume.py alone after the other is done.
-LONGEST_FIRST = (
-    "test_resume.py",
-    "test_cli.py",
-    "test_plan.py",
-    "test_squad_cli.py",
-    "test_quora_cli.py",
-    "test_multihost.py",
-    "test_infer_inputs.py",
-    "test_install.py",  # ~40 s: a wheel, a fresh environment, plan/train/infer twice
-)
-
-
+# --no-loadscope-reorder). The files with tests marked `slow` (end-to-end runs of the command
+# line, minutes per file) start first, the most slow tests first, so that both workers stay busy
+# to the end, instead of one running a long file alone after the other is done; the quick files
+# fill in behind them.
 def pytest_collection_modifyitems(items):
-    def rank(item):
-        name = item.path.name
-        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
-
-    items.sort(key=rank)  # stable: the other files, and the tests in each, keep their order
+    slow = collections.Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])  # stable: ties, and each file's tests, in order

@@ -47,6 +47,7 @@ def trained_dir(tmp_path_factory):
     return model_dir, run.stdout
 
 
+@pytest.mark.slow
 def test_training_reports_progress_and_writes_run_files(trained_dir):
     model_dir, stdout = trained_dir
     progress = [line for line in stdout.splitlines() if line.startswith(f"step {STEPS}/{STEPS}")]
@@ -63,6 +64,7 @@ def test_training_reports_progress_and_writes_run_files(trained_dir):
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(f"{model_dir}/train"))
 
 
+@pytest.mark.slow
 def test_greedy_decoding_reproduces_every_training_target(trained_dir):
     model_dir, _ = trained_dir
     run = t5tpu("eval", *memorize_flags(), model_dir=model_dir)
@@ -83,6 +85,7 @@ def test_greedy_decoding_reproduces_every_training_target(trained_dir):
     assert rows[0]["input"].startswith("generate similar question: ")
 
 
+@pytest.mark.slow
 def test_eval_all_checkpoints_and_infer_from_text_file(trained_dir, tmp_path):
     model_dir, _ = trained_dir
     run = t5tpu("eval", *memorize_flags("--gin.CHECKPOINT_STEP='all'"), model_dir=model_dir)
@@ -105,6 +108,7 @@ def test_eval_all_checkpoints_and_infer_from_text_file(trained_dir, tmp_path):
     assert rows[0]["prediction"] and "target" not in rows[0]
 
 
+@pytest.mark.slow
 def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_path):
     """CHECKPOINT_STEP='continuous' evaluates each checkpoint training writes, and stops after
     the one at TRAIN_STEPS; started again, it goes on after the newest evaluated step."""
@@ -156,6 +160,7 @@ def test_continuous_eval_skips_a_checkpoint_deleted_before_it_was_read(tmp_path)
         evaluate._restored(str(tmp_path), 5, {}, {}, continuous=False)
 
 
+@pytest.mark.slow
 def test_rerun_of_finished_training_changes_nothing(trained_dir):
     model_dir, _ = trained_dir
     before = _digest(model_dir)
@@ -266,6 +271,7 @@ BAD_INPUTS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, trained_dir):
     model_dir, _ = trained_dir

@@ -52,6 +52,7 @@ def _daemon_reason() -> str | None:
     return None
 
 
+@pytest.mark.slow
 def test_docker_build_and_a_tiny_train_run_in_the_container(tmp_path):
     reason = _daemon_reason()
     if reason:

@@ -27,6 +27,9 @@ import fault_mounts
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, file_digests, read_json, read_jsonl, t5tpu
 
+# Nearly every test runs the command line on a copy of the trained model.
+pytestmark = pytest.mark.slow
+
 STEPS = 6
 SAVE_PERIOD = 2
 NEWEST = f"checkpoint_{STEPS}"

@@ -17,6 +17,9 @@ import zipfile
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, quick_training, read_jsonl, succeeded, t5tpu
 
+# A wheel, a fresh environment, and plan/train/infer through the installed command line.
+pytestmark = pytest.mark.slow
+
 # What the build does not see: ignored by git, and version control. A stale build/ would put
 # modules deleted since back into the wheel; *.egg-info and __pycache__ are left out anywhere.
 NOT_SOURCE = {

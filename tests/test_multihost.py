@@ -25,6 +25,9 @@ from cli_runs import (
 )
 from tiny import tiny_config
 
+# Multi-process training runs, and the command line on two processes.
+pytestmark = pytest.mark.slow
+
 XLA_FAST = "--xla_backend_optimization_level=0"  # compile faster; memory and numerics unchanged
 MESHES = (1, 2, 4, 8)  # model-parallel degrees: 8x1, 4x2, 2x4, 1x8
 TRAIN_PARTITIONS = 2  # train on the 4x2 mesh: 'data' across processes, 'model' inside one

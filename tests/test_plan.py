@@ -16,24 +16,15 @@ import sys
 
 import pytest
 from fake_devices import run_script_on_eight_devices
+from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
 from t5tpu.errors import UserError
-from t5tpu.model.network import T5Config
 from t5tpu.planning import knobs, memory_plan, placements
 from t5tpu.runners import plan as plan_runner
 from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(
-    vocab_size=1024,
-    emb_dim=128,
-    num_heads=4,
-    head_dim=32,
-    mlp_dim=256,
-    num_encoder_layers=2,
-    num_decoder_layers=2,
-)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +93,7 @@ def test_parameter_and_optimizer_bytes_are_exact():
     import jax
     import numpy as np
 
-    config = T5Config(**TINY)
+    config = tiny_config()
     plan = _plan(config, memory_plan.Workload(8, 32, 8))
     assert plan.params == 1_050_368 * 4  # the tiny model's parameter count, float32
     params = nn.unbox(placements.boxed_params(config, 32, 8))
@@ -123,7 +114,7 @@ def test_parameter_and_optimizer_bytes_are_exact():
 
 
 def test_plan_says_what_to_turn_when_activations_do_not_fit():
-    config = T5Config(**TINY)
+    config = tiny_config()
     work = memory_plan.Workload(256, 512, 64)
     plan = _plan(config, work, devices=8, hbm_gib=0.25)
     assert plan.fits is False and plan.peak_phase == "start of the backward pass"
@@ -141,7 +132,7 @@ def test_plan_says_what_to_turn_when_activations_do_not_fit():
 
 
 def test_2d_parameter_partitioning_divides_parameters_over_data():
-    config = T5Config(**TINY)
+    config = tiny_config()
     work = memory_plan.Workload(64, 64, 8)
     one_d = _plan(config, work, num_partitions=2, devices=8)
     two_d = _plan(
@@ -159,7 +150,7 @@ def test_2d_parameter_partitioning_divides_parameters_over_data():
     assert caveat in plan_runner.report(two_d) and caveat not in plan_runner.report(one_d)
     # Scanned layers gather one layer at a time: within 15% of TPU's compiler, no caveat.
     scanned = _plan(
-        T5Config(**TINY, scan_layers=True, remat_policy="full"),
+        tiny_config(scan_layers=True, remat_policy="full"),
         work,
         num_partitions=2,
         devices=8,
@@ -176,7 +167,7 @@ def test_2d_parameters_with_unrolled_remat_layers_are_told_to_scan():
     hint = "T5Config.scan_layers = True gathers one layer's at a time"  # after "with remat, "
 
     def report(**config):
-        plan = _plan(T5Config(**TINY, **config), work, num_partitions=2, devices=8, rules=rules)
+        plan = _plan(tiny_config(**config), work, num_partitions=2, devices=8, rules=rules)
         return plan_runner.report(plan)
 
     assert hint in report(remat_policy="full")
@@ -192,7 +183,7 @@ def test_scanned_layers_without_remat_count_what_jax_saves():
     work = memory_plan.Workload(64, 128, 16)
 
     def plan(**config):
-        config = T5Config(**TINY, dtype="bfloat16", dropout_rate=0.1, **config)
+        config = tiny_config(dtype="bfloat16", dropout_rate=0.1, **config)
         return _plan(config, work, num_partitions=2, devices=8)
 
     unrolled, scanned = plan(), plan(scan_layers=True)
@@ -200,7 +191,7 @@ def test_scanned_layers_without_remat_count_what_jax_saves():
     assert "low for" not in plan_runner.report(scanned)
     # Dropout's masks are among the residuals: without dropout the layers save less.
     no_dropout = _plan(
-        T5Config(**TINY, dtype="bfloat16", scan_layers=True), work, num_partitions=2, devices=8
+        tiny_config(dtype="bfloat16", scan_layers=True), work, num_partitions=2, devices=8
     )
     assert no_dropout.activations < scanned.activations
 
@@ -211,14 +202,14 @@ def test_scanned_layers_keep_a_copy_of_their_stacked_weights():
     loop (half their float32 bytes); in float32 the forward loop stacks them again as
     residuals (all of them). At both backward-pass peaks, not at the update."""
     work = memory_plan.Workload(64, 128, 16)
-    unrolled = _plan(T5Config(**TINY, dtype="bfloat16"), work, devices=8)
-    scanned = _plan(T5Config(**TINY, dtype="bfloat16", scan_layers=True), work, devices=8)
+    unrolled = _plan(tiny_config(dtype="bfloat16"), work, devices=8)
+    scanned = _plan(tiny_config(dtype="bfloat16", scan_layers=True), work, devices=8)
     layers = sum(p.bytes_per_device for p in scanned.placements if "/layers/" in p.name)
     assert scanned.params == unrolled.params and scanned.weight_copy == layers // 2 > 0
     assert unrolled.weight_copy == 0
     remat = dict(remat_policy="full")  # the same activations scanned and unrolled
-    unrolled = _plan(T5Config(**TINY, dtype="bfloat16", **remat), work, devices=8)
-    scanned = _plan(T5Config(**TINY, dtype="bfloat16", scan_layers=True, **remat), work, devices=8)
+    unrolled = _plan(tiny_config(dtype="bfloat16", **remat), work, devices=8)
+    scanned = _plan(tiny_config(dtype="bfloat16", scan_layers=True, **remat), work, devices=8)
     # (Adafactor's state differs by a few bytes: one set of factored moments per stack.)
     extra = {name: scanned.phases[name] - unrolled.phases[name] for name in scanned.phases}
     opt_state = scanned.opt_state - unrolled.opt_state
@@ -227,7 +218,7 @@ def test_scanned_layers_keep_a_copy_of_their_stacked_weights():
         "end of the decoder's backward pass": layers // 2 + opt_state,
         "optimizer update": opt_state,
     }
-    float32 = _plan(T5Config(**TINY, scan_layers=True), work, devices=8)
+    float32 = _plan(tiny_config(scan_layers=True), work, devices=8)
     assert float32.weight_copy == layers
 
 
@@ -236,9 +227,9 @@ def test_the_compiled_peak_decides_the_verdict():
     from t5tpu.planning.compiled_memory import CompiledMemory
 
     work = memory_plan.Workload(64, 128, 16)
-    estimate = _plan(T5Config(**TINY), work, devices=8)
+    estimate = _plan(tiny_config(), work, devices=8)
     hbm_gib = 1.2 * estimate.peak / partitioning.GiB
-    plan = _plan(T5Config(**TINY), work, devices=8, hbm_gib=hbm_gib)
+    plan = _plan(tiny_config(), work, devices=8, hbm_gib=hbm_gib)
     state = plan.params + plan.opt_state
     compiled = CompiledMemory("TPU v3", state, int(1.5 * plan.peak) - state, state, state)
     assert plan.fits and compiled.peak == int(1.5 * plan.peak)
@@ -262,7 +253,7 @@ def test_the_compiled_peak_decides_the_verdict():
 def test_cpu_and_tpu_compilers_differ_in_the_update_and_in_remat():
     """XLA's CPU compiler materializes two parameter-sized update temporaries and runs remat's
     recomputation during the forward pass; TPU's does neither (docs/memory_plan.md)."""
-    config = T5Config(**TINY, remat_policy="full")
+    config = tiny_config(remat_policy="full")
     work = memory_plan.Workload(64, 128, 16)
     cpu_topology = partitioning.Partitioner(1, None, partitioning.Topology("cpu", 8))
     cpu = memory_plan.plan_training(config, optim.adafactor(), cpu_topology, work, 8)
@@ -283,6 +274,7 @@ def xla_analysis():
     return run_script_on_eight_devices(__file__, "--cases", ",".join(CHECKED_CASES))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", CHECKED_CASES)
 def test_plan_is_within_15_percent_of_xla(xla_analysis, name):
     case = xla_analysis[name]
@@ -317,6 +309,7 @@ def _mib(name: str, text: str) -> float:
     return float(re.search(rf"^  {name} +([\d.]+)", text, re.MULTILINE).group(1))
 
 
+@pytest.mark.slow
 def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
     """With plan.compile, TPU's compiler (libtpu's compile-only devices of a v2-8) builds the
     real step; the verdict is XLA's, the estimate is within 15% of it, and XLA's arguments are
@@ -340,6 +333,7 @@ def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
     assert f"fits: peak {compiled / 1024:.2f} GiB of 8 GiB HBM per device (XLA's, compiled)" in out
 
 
+@pytest.mark.slow
 def test_scanned_layers_without_remat_are_within_15_percent_of_tpu():
     """TPU's compiler (libtpu's compile-only devices of a v2-8) on tiny with scanned layers and
     no remat, data and model parallel."""
@@ -350,6 +344,7 @@ def test_scanned_layers_without_remat_are_within_15_percent_of_tpu():
         assert case["plan_peak"] == pytest.approx(case["xla_peak"], rel=0.15), (name, case)
 
 
+@pytest.mark.slow
 def test_a_step_tpu_cannot_place_does_not_fit():
     """TPU's compiler refuses a step that does not fit its HBM (here told the chip has 4 MiB);
     the plan reports the compiler's reason and the knobs."""
@@ -412,6 +407,7 @@ def test_plan_refuses_a_batch_that_train_would_refuse():
     ]
 
 
+@pytest.mark.slow
 def test_every_tpu_topology_names_a_slice_libtpu_knows():
     """Each topology file's Topology.tpu_topology describes its device count (checked by
     compile_only_devices, which raises otherwise)."""
@@ -485,6 +481,7 @@ def test_plan_of_a_model_gin_alone(model, count):
     assert "step: batch 128, inputs 512, targets 128" in run.stdout
 
 
+@pytest.mark.slow
 def test_docs_table_matches_the_plans():
     """docs/memory_plan.md lists every TPU experiment with the plan's activations, peak and fit,
     and each experiment file's header states the same peak."""

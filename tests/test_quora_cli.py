@@ -6,7 +6,11 @@ every stage runs and writes its files, not what the model learns."""
 import json
 import os
 
+import pytest
 from cli_runs import SHARED_DATA, quick_training, read_json, t5tpu
+
+# Each test trains, evaluates and decodes through the command line.
+pytestmark = pytest.mark.slow
 
 KAGGLE_CSV = os.path.join(SHARED_DATA, "quora", "kaggle_train_head999.csv")
 QP_ALL = "configs/experiments/qp_all_tiny_cpu.gin"

@@ -15,6 +15,9 @@ import orbax.checkpoint as ocp
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, succeeded, t5tpu
 
+# Every test trains the tiny model through the command line, some of them several times.
+pytestmark = pytest.mark.slow
+
 STEPS = 16
 FLAGS = [
     f"--gin_file={TINY_EXPERIMENT}",

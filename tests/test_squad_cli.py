@@ -9,6 +9,9 @@ import cli_runs
 import pytest
 from cli_runs import SHARED_DATA, quick_training, read_json, succeeded
 
+# Each test trains through the command line.
+pytestmark = pytest.mark.slow
+
 SQUAD_DIR = os.path.join(SHARED_DATA, "squad")
 V1_FILE = os.path.join(SQUAD_DIR, "dev-v1.1.json")
 V2_FILE = os.path.join(SQUAD_DIR, "dev-v2.0-cs224n-part-a.json")

@@ -112,6 +112,7 @@ def trained(tmp_path_factory):
     return model_dir, run
 
 
+@pytest.mark.slow
 def test_trains_and_evaluates_from_the_gin_file_alone(trained):
     model_dir, run = trained
     losses = [float(line.split()[3]) for line in run.stdout.splitlines() if "loss" in line]
@@ -124,6 +125,7 @@ def test_trains_and_evaluates_from_the_gin_file_alone(trained):
     assert metrics["rouge1"] == pytest.approx(metrics["exact_match"])
 
 
+@pytest.mark.slow
 def test_infer_decodes_the_validation_split_with_the_prefix(trained):
     model_dir, _ = trained
     run = t5tpu(
@@ -152,6 +154,7 @@ def test_a_malformed_train_file_stops_before_any_work(tmp_path):
     assert not model_dir.exists() or file_digests(model_dir) == {}
 
 
+@pytest.mark.slow
 def test_skip_malformed_leaves_them_out_with_one_warning(tmp_path):
     rows = pathlib.Path(EXAMPLES, "train.tsv").read_text() + "broken row\n"
     bad = _write(tmp_path / "train.tsv", rows)

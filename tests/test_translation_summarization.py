@@ -92,6 +92,7 @@ def _evaluated(model_dir, experiment: str, task: str, step: str) -> dict:
     return json.loads((model_dir / "eval_metrics.json").read_text())[step][task]
 
 
+@pytest.mark.slow
 def test_translation_reaches_a_real_bleu(translation):
     model_dir, from_training = translation
     metrics = _evaluated(model_dir, TRANSLATION, "translate_en_de", "300")
@@ -101,6 +102,7 @@ def test_translation_reaches_a_real_bleu(translation):
     assert metrics == pytest.approx(from_training["300"]["translate_en_de"])
 
 
+@pytest.mark.slow
 def test_summarization_reaches_a_real_rouge(summarization):
     model_dir, from_training = summarization
     metrics = _evaluated(model_dir, SUMMARIZATION, "summarize", "200")
@@ -117,6 +119,7 @@ def _inferred(model_dir, experiment: str, *flags: str) -> list[dict]:
     return read_jsonl(path)
 
 
+@pytest.mark.slow
 def test_translation_infer_writes_german(translation):
     model_dir, _ = translation
     rows = _inferred(model_dir, TRANSLATION, "--gin.INFER_NUM_EXAMPLES=8")
@@ -126,6 +129,7 @@ def test_translation_infer_writes_german(translation):
     assert sum(row["prediction"] == row["target"] for row in rows) >= 2
 
 
+@pytest.mark.slow
 def test_summarization_infer_writes_a_headline_for_new_text(summarization):
     model_dir, _ = summarization
     document = (
