@@ -18,9 +18,9 @@ import pytest
 from cli_runs import (
     ROOT,
     TINY_EXPERIMENT,
+    TRAINED_TINY_STEPS,
     cli_command,
     free_port,
-    quick_training,
     run_together,
     succeeded,
     t5tpu,
@@ -29,7 +29,7 @@ from cli_runs import (
 from t5tpu.runners import infer_chunks
 from t5tpu.runners.infer_chunks import Assignment, ChunkStore, Span
 
-STEPS = 2
+STEPS = TRAINED_TINY_STEPS
 CHUNK = 32
 LINES = 300  # ten chunks of 32 and one of 12
 
@@ -97,12 +97,9 @@ def test_a_half_written_chunk_is_not_a_chunk(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("stream_model")
-    succeeded(
-        t5tpu("train", f"--gin_file={TINY_EXPERIMENT}", *quick_training(STEPS), model_dir=path)
-    )
-    return path
+def model_dir(trained_tiny):
+    """The shared tiny run: these tests write under INFER_OUTPUT_DIR / EVAL_OUTPUT_DIR only."""
+    return trained_tiny
 
 
 @pytest.fixture(scope="module")

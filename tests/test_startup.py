@@ -9,20 +9,28 @@ import copy
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
 import fault_mounts
 import pytest
 import seqio
-from cli_runs import ROOT, TINY_EXPERIMENT, file_digests, quick_training, read_jsonl, succeeded
+from cli_runs import (
+    ROOT,
+    TINY_EXPERIMENT,
+    TRAINED_TINY_STEPS,
+    file_digests,
+    read_jsonl,
+    succeeded,
+)
 from cli_runs import t5tpu as run_t5tpu
 
 from t5tpu.data import vocab
 from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
 from t5tpu.runtime import compilation_cache
 
-STEPS = 2
+STEPS = TRAINED_TINY_STEPS
 QUESTIONS = [
     "is duplicate: how do i learn python fast? <SEP> what is the quickest way to learn python?",
     "is duplicate: what is the capital of france? <SEP> how tall is mount everest?",
@@ -41,12 +49,10 @@ main.run()
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    """The tiny Quora experiment trained for two steps: a checkpoint to decode with."""
-    path = tmp_path_factory.mktemp("startup_model")
-    succeeded(
-        run_t5tpu("train", f"--gin_file={TINY_EXPERIMENT}", *quick_training(STEPS), model_dir=path)
-    )
+def model_dir(trained_tiny, tmp_path_factory):
+    """A copy of the shared tiny run (these tests write predictions into its MODEL_DIR)."""
+    path = tmp_path_factory.mktemp("startup_model") / "model"
+    shutil.copytree(trained_tiny, path)
     return path
 
 
