@@ -154,6 +154,18 @@ class _Decoder:
             keys = batches.full_batch_to_global({"k": keys}, self.batch_sharding)["k"]
         return np.asarray(jax.device_get(self._predict(params, placed, keys)))
 
+    def compile_every_bucket(self, params) -> None:
+        """Compiles the program of each padded length now, on a batch of padding: compiling
+        takes more host memory than decoding, so a long run that met a rare long input late
+        would reach its peak then; compiled first, the peak is the same for any input count."""
+        lengths = {
+            batches.bucket_length(n, self.input_length) for n in range(1, self.input_length + 1)
+        }
+        empty = [_Example(infer_inputs.Record("", ""), (0,), False)]
+        for length in sorted(lengths):
+            empty = [dataclasses.replace(empty[0], ids=(0,) * length)]
+            self._batch(params, empty, [0], 0)
+
     def lines(
         self, params, span: infer_chunks.Span, examples: list[_Example], stop
     ) -> list[str] | None:
@@ -287,8 +299,11 @@ def _decode_step(run: _Run, restorable: _Checkpoints, step: int, watch) -> str |
         inputs=infer_inputs.Texts(run.source),
     )
     store = infer_chunks.ChunkStore(path, run.manifest(step))
+    params = restorable.params(step)
+    if run.source.total is None or run.source.total > run.assignment.chunk_size:
+        run.decoder.compile_every_bucket(params)
     progress = example_progress.ExampleProgress(f"infer step {step}", total=run.source.total)
-    read, truncated, stopped = _decode_chunks(run, store, restorable.params(step), progress, watch)
+    read, truncated, stopped = _decode_chunks(run, store, params, progress, watch)
     _warn_truncated(truncated, progress.count, run.decoder.input_length)
     if stopped:
         print(
