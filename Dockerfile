@@ -1,5 +1,7 @@
-# The t5tpu command line in a container: `docker run IMAGE train --gin_file=...`, and the image
-# a Vertex AI custom job runs (t5tpu vertex-submit, docs/CLOUD.md).
+# The t5tpu command line in a container: `docker run IMAGE train --gin_file=...`, the image a
+# Vertex AI custom job runs (t5tpu vertex-submit), and a Vertex AI prediction container, which
+# serves with `t5tpu serve` when started with AIP_HTTP_PORT set (t5tpu vertex-deploy;
+# docker-entrypoint.sh; docs/CLOUD.md).
 #
 #   docker build -t t5tpu .                                  # CPU (CI smoke runs)
 #   docker build --build-arg JAX_EXTRA=tpu -t t5tpu:tpu .    # TPU VMs and Vertex AI TPUs
@@ -31,10 +33,12 @@ COPY t5tpu ./t5tpu
 COPY configs ./configs
 COPY tasks ./tasks
 RUN pip install --no-deps . && rm -rf build
+COPY docker-entrypoint.sh /usr/local/bin/
 
 # Runs as a user without root; MODEL_DIR is a mounted folder or a gs:// path.
 RUN useradd --create-home --uid 1000 t5tpu
 USER t5tpu
 WORKDIR /home/t5tpu
-ENTRYPOINT ["t5tpu"]
-CMD ["--help"]
+# `t5tpu serve` listens here in a prediction container (Vertex AI's AIP_HTTP_PORT default).
+EXPOSE 8080
+ENTRYPOINT ["docker-entrypoint.sh"]

@@ -9,8 +9,9 @@ import pathlib
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The repository's folders and the packages they install as (pyproject's package-dir).
 SOURCES = {"t5tpu": ROOT / "t5tpu", "t5tpu.tasks": ROOT / "tasks"}
-# On top: the command line, the Python API, and `t5tpu` itself (whose `t5tpu.load` is the API's).
-TOP = {"t5tpu", "t5tpu.api", "t5tpu.cli"}
+# On top: the command line, the Python API, the server (which runs the API's models), and
+# `t5tpu` itself (whose `t5tpu.load` is the API's).
+TOP = {"t5tpu", "t5tpu.api", "t5tpu.cli", "t5tpu.serve"}
 
 
 def _modules() -> dict[str, pathlib.Path]:

@@ -25,7 +25,7 @@ def _instructions() -> list[tuple[str, str]]:
 
 def test_the_image_runs_t5tpu_as_a_user_and_installs_what_the_repository_has():
     instructions = _instructions()
-    assert ("ENTRYPOINT", '["t5tpu"]') in instructions
+    assert ("ENTRYPOINT", '["docker-entrypoint.sh"]') in instructions
     assert any(kind == "ARG" and args.startswith("JAX_EXTRA") for kind, args in instructions)
     users = [args for kind, args in instructions if kind == "USER"]
     assert users and users[-1] != "root"

@@ -13,7 +13,7 @@ import importlib
 from collections.abc import Callable
 from types import ModuleType
 
-from t5tpu.cli import bench, convert, prepare_quora, vertex
+from t5tpu.cli import bench, convert, prepare_quora, serve, vertex, vertex_deploy
 
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 
@@ -207,6 +207,10 @@ TOOLS = {
         ToolCommand(module=convert, tensorflow=False, compilation_cache=True),
         ToolCommand(module=bench, tensorflow=True, compilation_cache=True),
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
+        # The task routes build prompts with TensorFlow: loaded before the server starts, so
+        # its import neither delays a request nor mutes the server's output while it runs.
+        ToolCommand(module=serve, tensorflow=True, compilation_cache=True),
+        ToolCommand(module=vertex_deploy, tensorflow=False, compilation_cache=False),
     )
 }
 USAGE = (

@@ -57,7 +57,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     return args
 
 
-def _check_gin_file(path: str) -> None:
+def check_gin_file(path: str) -> None:
     """The job reads gin files inside the container: shipped configs or gs:// ones."""
     if "://" in path:
         return
@@ -70,7 +70,7 @@ def _check_gin_file(path: str) -> None:
 
 def request(args: argparse.Namespace) -> vertex_spec.JobRequest:
     for path in args.gin_file:
-        _check_gin_file(path)
+        check_gin_file(path)
     return vertex_spec.JobRequest(
         command=args.command,
         gin_files=tuple(args.gin_file),

@@ -1,6 +1,7 @@
-"""The Vertex AI CustomJob that runs a t5tpu command in the t5tpu container on a TPU or GPU
-machine: the job resource as a plain dict (what `gcloud ai custom-jobs create --config` and
-google-cloud-aiplatform's CustomJob take), built without any Google client or network.
+"""Vertex AI resources for the t5tpu container, as plain dicts built without any Google client
+or network: the CustomJob that runs a t5tpu command on a TPU or GPU machine (what `gcloud ai
+custom-jobs create --config` and google-cloud-aiplatform's CustomJob take), and the Model upload
+and Endpoint deployment that serve a model with `t5tpu serve`.
 """
 
 from __future__ import annotations
@@ -128,5 +129,137 @@ def custom_job(request: JobRequest) -> dict:
                 }
             ],
             "base_output_directory": {"output_uri_prefix": request.model_dir},
+        },
+    }
+
+
+# --- online prediction: `t5tpu vertex-deploy` ------------------------------------------------
+
+# The TPU machines Vertex AI serves predictions on (v5e); the legacy cloud-tpu nodes train only.
+PREDICTION_TPUS = {
+    "v5e-1": "ct5lp-hightpu-1t",
+    "v5e-4": "ct5lp-hightpu-4t",
+    "v5e-8": "ct5lp-hightpu-8t",
+}
+DEFAULT_PREDICTION_MACHINE = "n1-standard-4"
+# What `t5tpu serve` listens on in the container (Vertex AI sets AIP_HTTP_PORT to it).
+SERVE_PORT = 8080
+PREDICT_ROUTE = "/v1/predict"
+HEALTH_ROUTE = "/health"
+# The uploaded model's resource name is known only once uploaded: the deploy request names it so.
+UPLOADED_MODEL = "{uploaded model}"
+
+
+@dataclasses.dataclass(frozen=True)
+class DeployRequest:
+    """A model to upload and deploy to a new endpoint, checked by `check`."""
+
+    model_dir: str  # the artifacts Vertex AI copies for the container (AIP_STORAGE_URI)
+    image: str
+    display_name: str
+    gin_files: tuple[str, ...] = ()
+    bindings: tuple[str, ...] = ()
+    serve_flags: tuple[str, ...] = ()
+    machine_type: str | None = None
+    tpu: str | None = None
+    gpu: str | None = None
+    min_replicas: int = 1
+    max_replicas: int = 1
+    env: tuple[str, ...] = ()
+
+    def check(self) -> None:
+        if not re.fullmatch(r"gs://[a-z0-9][a-z0-9._-]{1,220}(/.*)?", self.model_dir):
+            raise UserError(
+                f"--model_dir={self.model_dir}: Vertex AI copies a model from gs://BUCKET/PATH"
+            )
+        if sum(x is not None for x in (self.tpu, self.gpu, self.machine_type)) > 1:
+            raise UserError("give at most one of --tpu, --gpu and --machine_type")
+        if self.tpu is not None and self.tpu not in PREDICTION_TPUS:
+            offered = ", ".join(PREDICTION_TPUS)
+            raise UserError(f"--tpu={self.tpu}; Vertex AI serves predictions on {offered}")
+        if self.gpu is not None:
+            gpu_machine(self.gpu)
+        if not 1 <= self.min_replicas <= self.max_replicas:
+            raise UserError("--min_replicas must be >= 1 and <= --max_replicas")
+        if not self.image or " " in self.image:
+            raise UserError(f"--image={self.image!r}: give the pushed image URI")
+        if not _DISPLAY_NAME.fullmatch(self.display_name):
+            raise UserError(f"--display_name={self.display_name!r}: letters, digits, . _ -")
+        for binding in self.bindings:
+            if binding.partition("=")[0].strip() == "MODEL_DIR":
+                raise UserError(
+                    "the container serves --model_dir (AIP_STORAGE_URI): drop --gin.MODEL_DIR"
+                )
+        for flag in self.serve_flags:
+            if not flag.startswith("--") or flag.split("=")[0] in ("--host", "--port", "--model"):
+                raise UserError(
+                    f"--serve_flag={flag}: pass a `t5tpu serve` flag such as "
+                    "--max_batch_size=64 (host, port and model are Vertex AI's)"
+                )
+        for entry in self.env:
+            if "=" not in entry:
+                raise UserError(f"--env={entry}: write NAME=VALUE")
+
+
+def prediction_machine(request: DeployRequest) -> dict:
+    if request.tpu is not None:
+        return {"machine_type": PREDICTION_TPUS[request.tpu]}
+    if request.gpu is not None:
+        machine_type, accelerator, count = gpu_machine(request.gpu)
+        return {
+            "machine_type": machine_type,
+            "accelerator_type": accelerator,
+            "accelerator_count": count,
+        }
+    return {"machine_type": request.machine_type or DEFAULT_PREDICTION_MACHINE}
+
+
+def serving_container(request: DeployRequest) -> dict:
+    """The container spec: `t5tpu serve` on every interface of the container, its port and
+    routes as Vertex AI calls them."""
+    container = {
+        "image_uri": request.image,
+        "args": [
+            "serve",
+            "--host=0.0.0.0",
+            *(f"--gin_file={path}" for path in request.gin_files),
+            *(f"--gin.{binding}" for binding in request.bindings),
+            *request.serve_flags,
+        ],
+        "ports": [{"container_port": SERVE_PORT}],
+        "predict_route": PREDICT_ROUTE,
+        "health_route": HEALTH_ROUTE,
+    }
+    if request.env:
+        container["env"] = [
+            dict(zip(("name", "value"), e.split("=", 1), strict=True)) for e in request.env
+        ]
+    return container
+
+
+def deployment(request: DeployRequest) -> dict:
+    """The three calls a deployment makes: upload the Model (models.upload), create the
+    Endpoint, deploy the model to it (endpoints.deployModel) with all traffic."""
+    request.check()
+    return {
+        "model_upload": {
+            "model": {
+                "display_name": request.display_name,
+                "artifact_uri": request.model_dir,
+                "container_spec": serving_container(request),
+            }
+        },
+        "endpoint": {"display_name": request.display_name},
+        "deploy": {
+            "deployed_model": {
+                "model": UPLOADED_MODEL,
+                "display_name": request.display_name,
+                "dedicated_resources": {
+                    "machine_spec": prediction_machine(request),
+                    "min_replica_count": request.min_replicas,
+                    "max_replica_count": request.max_replicas,
+                },
+            },
+            "traffic_split": {"0": 100},
         },
     }

@@ -1,0 +1,332 @@
+"""The HTTP routes: a Starlette app whose handlers check a request, queue its rows on the
+batcher and wait for them, answering every failure as {"error": "<one line>"} with its status.
+
+    POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
+                                               "parameters": {num_beams, max_length,
+                                               temperature, top_k, seed}}
+    POST /v1/score                            {"instances": [{"input": ..., "target": ...}]}
+    POST /v1/is_duplicate                     {"instances": [{"question1": ..., "question2": ...}]}
+    POST /v1/similar_question                 {"instances": [{"question": ...}], "parameters"}
+    POST /v1/answer                           {"instances": [{"question": ..., "context": ...}],
+                                               "parameters": {..., "task": "squad_v1"}}
+    GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503
+    GET  /metrics                             Prometheus text format (serve_metrics.py)
+
+docs/SERVING.md has the answers' shapes. Parsing, checking and tokenizing run in Starlette's
+thread pool, the model in the batcher's worker thread; the event loop only moves bytes. A
+client that disconnects while its rows wait has them dropped from the queue, without touching
+anyone else's batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import traceback
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from t5tpu.errors import one_line_message
+from t5tpu.serve import payloads
+from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
+from t5tpu.serve.engine import DecodeRow, Engine, Group, ScoreRow
+from t5tpu.serve.payloads import Decoding, PayloadError
+from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
+from t5tpu.serve.task_calls import TaskRunner
+
+PREDICT_ROUTE = "/v1/predict"
+HEALTH_ROUTE = "/health"
+# Seconds a client is told to wait before retrying a 503 (queue full, model loading).
+RETRY_AFTER = "1"
+
+
+@dataclasses.dataclass(frozen=True)
+class HttpOptions:
+    """What the routes enforce, and where Vertex AI looks for them."""
+
+    max_instances: int
+    max_body_bytes: int
+    truncation: str  # 'warn': cut long inputs and say so; 'error': refuse them with a 400
+    max_queue: int
+    predict_routes: tuple[str, ...] = (PREDICT_ROUTE,)
+    health_routes: tuple[str, ...] = (HEALTH_ROUTE,)
+
+
+class NotReady(Exception):
+    """The model is still loading or compiling."""
+
+
+class ClientGone(Exception):
+    """The client closed the connection before its answer was ready."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepared:
+    """A request checked and tokenized: its (group, row) pairs for the batcher, and warnings to
+    return."""
+
+    rows: list[tuple[Group, object]]
+    warnings: list[str]
+    request: object
+
+
+class Service:
+    """The routes' state: the engine (None until loaded), the batcher, the task runner."""
+
+    def __init__(
+        self, *, batcher: Batcher, metrics: ServeMetrics, options: HttpOptions, task_threads: int
+    ):
+        self.batcher = batcher
+        self.metrics = metrics
+        self.options = options
+        self.engine: Engine | None = None
+        self.tasks = TaskRunner(queue=self._queue_prompts, threads=task_threads)
+        self._task_rows = 0  # task instances admitted and not yet answered
+
+    def ready(self, engine: Engine) -> None:
+        self.engine = engine
+        self.metrics.ready.set(1)
+
+    # --- checking and tokenizing (in the thread pool) ----------------------------------------
+
+    def _engine(self) -> Engine:
+        if self.engine is None:
+            raise NotReady
+        return self.engine
+
+    def _limits(self, engine: Engine) -> payloads.Limits:
+        return payloads.Limits(
+            max_instances=self.options.max_instances,
+            max_length=engine.max_target_length,
+            vocab_size=engine.vocab_size,
+        )
+
+    def _encoded(self, texts, *, limit: int, what: str, first: int, warnings: list) -> list:
+        """Each text's ids; an overlong one is cut with a warning, or refused ('error')."""
+        engine = self._engine()
+        encoded = []
+        for index, text in enumerate(texts, start=first):
+            ids = engine.encode(text, limit)
+            if ids.truncated:
+                message = f"instances[{index}] {what} has {ids.tokens} tokens, above the {limit}"
+                if self.options.truncation == "error":
+                    raise PayloadError(f"{message} the model takes; shorten it")
+                warnings.append(f"{message} the model takes: truncated")
+                self.metrics.truncated.inc()
+            encoded.append(ids)
+        return encoded
+
+    def prepare_predict(self, body: bytes) -> _Prepared:
+        engine = self._engine()
+        request = payloads.predict_request(
+            payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
+        )
+        warnings: list[str] = []
+        encoded = self._encoded(
+            request.texts, limit=engine.max_input_length, what="input", first=0, warnings=warnings
+        )
+        return _Prepared(_decode_rows(engine, encoded, request.decoding, 0), warnings, request)
+
+    def prepare_score(self, body: bytes) -> _Prepared:
+        engine = self._engine()
+        request = payloads.score_request(payloads.parse_json(body), limits=self._limits(engine))
+        warnings: list[str] = []
+        limits = {"input": engine.max_input_length, "target": engine.max_target_length}
+        inputs, targets = (
+            self._encoded(texts, limit=limits[what], what=what, first=0, warnings=warnings)
+            for texts, what in ((request.inputs, "input"), (request.targets, "target"))
+        )
+        rows = [
+            (Group.for_scoring(engine.input_bucket(a.ids)), ScoreRow(a.ids, b.ids))
+            for a, b in zip(inputs, targets, strict=True)
+        ]
+        return _Prepared(rows, warnings, request)
+
+    def prepare_task(self, route: str, body: bytes) -> payloads.TaskRequest:
+        engine = self._engine()
+        return payloads.task_request(
+            route, payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
+        )
+
+    def _queue_prompts(self, texts: list[str], decoding: Decoding, first: int):
+        """The task calls' way to the model (task_calls.QueuePrompts)."""
+        engine = self._engine()
+        warnings: list[str] = []
+        encoded = self._encoded(
+            texts, limit=engine.max_input_length, what="prompt", first=first, warnings=warnings
+        )
+        return self.batcher.submit(_decode_rows(engine, encoded, decoding, first)), warnings
+
+    # --- the routes ------------------------------------------------------------------------
+
+    async def predict(self, request: Request) -> Response:
+        prepared = await run_in_threadpool(self.prepare_predict, await self._body(request))
+        texts = await _results(request, self.batcher.submit(prepared.rows))
+        if prepared.request.objects:
+            texts = [{"prediction": text} for text in texts]
+        return _answer(texts, prepared.warnings)
+
+    async def score(self, request: Request) -> Response:
+        prepared = await run_in_threadpool(self.prepare_score, await self._body(request))
+        scores = await _results(request, self.batcher.submit(prepared.rows))
+        return _answer([{"score": score} for score in scores], prepared.warnings)
+
+    async def task(self, request: Request) -> Response:
+        route = request.url.path.rsplit("/", 1)[-1]
+        task_request = await run_in_threadpool(self.prepare_task, route, await self._body(request))
+        count = len(task_request.instances)
+        # Task calls wait in threads before their rows reach the batcher's bound: they are
+        # bounded here, by the same number.
+        if self._task_rows + count > self.options.max_queue:
+            raise QueueFull(f"{self._task_rows} task instances are in flight")
+        self._task_rows += count
+        try:
+            answers = await _results(request, self.tasks.start(task_request))
+        finally:
+            self._task_rows -= count
+        warnings = [warning for answer in answers for warning in answer.warnings]
+        return _answer([{route: answer.value} for answer in answers], warnings)
+
+    async def health(self, request: Request) -> Response:
+        if self.engine is None:
+            return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": RETRY_AFTER})
+        return JSONResponse({"status": "ready"})
+
+    async def metrics_text(self, request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
+
+    async def _body(self, request: Request) -> bytes:
+        """The body, refused with a 413 as soon as it is known to pass the bound."""
+        limit = self.options.max_body_bytes
+        too_large = PayloadError(
+            f"the body is larger than {limit} bytes; send fewer instances per request", 413
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_large
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_large
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+
+def _decode_rows(engine: Engine, encoded: list, decoding: Decoding, first: int) -> list:
+    """(group, row) pairs of inputs to decode; row i samples from its index first + i."""
+    return [
+        (
+            Group.for_decoding(decoding, engine.input_bucket(ids.ids)),
+            DecodeRow(ids=ids.ids, index=first + i, seed=decoding.seed),
+        )
+        for i, ids in enumerate(encoded)
+    ]
+
+
+def _answer(predictions: list, warnings: list[str]) -> JSONResponse:
+    body = {"predictions": predictions}
+    if warnings:
+        body["warnings"] = warnings
+    return JSONResponse(body)
+
+
+def _error(status: int, message: str, headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": message}, status, headers=headers)
+
+
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed the connection (its body was read already, so the
+    only message left to receive is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _results(request: Request, futures: list) -> list:
+    """The futures' results, in order; ClientGone (and the futures cancelled, so queued rows
+    are dropped) if the client leaves first."""
+    waiting = asyncio.gather(*(asyncio.wrap_future(future) for future in futures))
+    gone = asyncio.ensure_future(_disconnected(request))
+    done = set()
+    try:
+        done, _ = await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not waiting.done():
+            for future in futures:
+                future.cancel()  # rows not yet taken by the worker are dropped
+            waiting.cancel()
+            # Its outcome is of no interest now; retrieving it keeps asyncio from logging it.
+            waiting.add_done_callback(lambda f: f.cancelled() or f.exception())
+    if waiting not in done:
+        raise ClientGone
+    return waiting.result()
+
+
+def _guarded(handler):
+    """`handler`, its failures answered as one-line JSON errors with their status."""
+
+    async def endpoint(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except PayloadError as e:
+            return _error(e.status, str(e))
+        except NotReady:
+            message = "the model is still loading; retry once GET /health answers 200"
+            return _error(503, message, {"Retry-After": RETRY_AFTER})
+        except QueueFull as e:
+            return _error(503, f"the server is busy ({e}); retry", {"Retry-After": RETRY_AFTER})
+        except Stopped as e:
+            return _error(503, str(e))
+        except (ClientGone, ClientDisconnect):
+            return Response(status_code=CLIENT_GONE)
+        except BatchFailed as e:  # the batcher printed its traceback
+            return _error(500, f"the model failed: {e}")
+        except Exception as e:  # a bug: answered in one line, its traceback printed
+            traceback.print_exc()
+            return _error(500, f"internal error: {type(e).__name__}: {one_line_message(e)}")
+
+    return endpoint
+
+
+async def _http_error(request: Request, error: HTTPException) -> Response:
+    """Starlette's own refusals (404 unknown path, 405 wrong method) in the same JSON shape."""
+    message = f"{error.detail}: {request.method} {request.url.path}"
+    return _error(error.status_code, message, error.headers)
+
+
+def routes(service: Service) -> dict[str, tuple[str, str, object]]:
+    """path -> (route name for /metrics, method, handler)."""
+    table = {path: ("predict", "POST", service.predict) for path in service.options.predict_routes}
+    table["/v1/score"] = ("score", "POST", service.score)
+    for name in payloads.TASK_FIELDS:
+        table[f"/v1/{name}"] = (name, "POST", service.task)
+    for path in service.options.health_routes:
+        table[path] = ("health", "GET", service.health)
+    table["/metrics"] = ("metrics", "GET", service.metrics_text)
+    return table
+
+
+def build_app(*, service: Service, lifespan) -> Starlette:
+    table = routes(service)
+    return Starlette(
+        routes=[
+            Route(path, _guarded(handler), methods=[method])
+            for path, (_, method, handler) in table.items()
+        ],
+        middleware=[
+            Middleware(
+                MetricsMiddleware,
+                metrics=service.metrics,
+                route_names={path: name for path, (name, _, _) in table.items()},
+            )
+        ],
+        exception_handlers={HTTPException: _http_error},
+        lifespan=lifespan,
+    )

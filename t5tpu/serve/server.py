@@ -1,0 +1,189 @@
+"""The server's life: listen at once, load and compile the model in the worker thread (/health
+answers 503 meanwhile), answer, and on SIGTERM or Ctrl-C stop taking connections, finish every
+request in flight, and exit 0.
+
+uvicorn serves the app on a socket bound here, before anything is loaded, so a port in use is
+one line at start-up. The worker thread loads the model, compiles its programs, then runs the
+batcher until shutdown; jax is called from no other thread. If loading fails, the server stops
+and the command exits with the loading error's one line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable
+
+import uvicorn
+
+from t5tpu.errors import UserError
+from t5tpu.serve.app import HttpOptions, Service, build_app
+from t5tpu.serve.batcher import Batcher, BatchLimits
+from t5tpu.serve.engine import Engine
+from t5tpu.serve.serve_metrics import ServeMetrics
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerOptions:
+    max_connections: int  # beyond it uvicorn answers 503 at once, so memory stays bounded
+    shutdown_timeout_s: float  # in-flight requests get this long after SIGTERM
+    warm_up: bool
+    log_requests: bool
+
+
+def say(message: str) -> None:
+    print(f"t5tpu serve: {message}", flush=True)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, or a UserError naming the address (in use, not this machine's)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        message = f"cannot listen on {host}:{port}: {e.strerror}; check --host and --port"
+        raise UserError(message) from None
+    return sock
+
+
+class _Worker:
+    """The model's thread: load, compile, then batches until the batcher stops."""
+
+    def __init__(self, *, service: Service, load: Callable[[], Engine], warm_up: bool):
+        self.service = service
+        self.load = load
+        self.warm_up = warm_up
+        self.stopping = threading.Event()  # set at shutdown: warming up ends early
+        self.error: Exception | None = None
+        self.on_failure: Callable[[], None] = lambda: None
+        self.thread = threading.Thread(target=self._run, name="t5tpu-model", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            engine = self._prepare()
+        except Exception as error:  # reported by the main thread once the server has stopped
+            self.error = error
+            self.service.batcher.fail(error)
+            self.on_failure()
+            return
+        self.service.ready(engine)
+        self.service.batcher.serve(engine.run_batch)
+
+    def _prepare(self) -> Engine:
+        start = time.perf_counter()
+        engine = self.load()
+        if self.warm_up:
+            say(f"compiling the decoding programs for {len(engine.batch_sizes)} batch sizes")
+            programs = engine.warm_up(stopping=self.stopping.is_set)
+            if not self.stopping.is_set():
+                self.service.tasks.warm_up()
+            say(f"{programs} programs ready")
+        say(f"ready in {time.perf_counter() - start:.1f} s")
+        return engine
+
+
+def _noted_stop_signals() -> list[str]:
+    """SIGTERM and SIGINT noted by name. uvicorn handles both while it serves (stop taking
+    connections, finish the requests in flight) and then raises the signal again to the
+    handler it found; this one lets the command exit 0 after a clean stop."""
+    received: list[str] = []
+
+    def note(signum, frame) -> None:
+        received.append(signal.Signals(signum).name)
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, note)
+    return received
+
+
+@dataclasses.dataclass(frozen=True)
+class Running:
+    """A server ready to run (`server.run(sockets=[sock])`) and what it is made of."""
+
+    server: uvicorn.Server
+    worker: _Worker
+    service: Service
+
+
+def build(
+    *,
+    options: ServerOptions,
+    http: HttpOptions,
+    batching: BatchLimits,
+    load: Callable[[], Engine],
+) -> Running:
+    """The app, its batcher and worker, and the uvicorn server around them; the worker starts
+    with the server and stops after it."""
+    metrics = ServeMetrics()
+    batcher = Batcher(limits=batching, on_batch=metrics.observe_batch)
+    metrics.watch_queue(lambda: batcher.depth)
+    # A full batch of task calls can wait for the model at once.
+    service = Service(
+        batcher=batcher, metrics=metrics, options=http, task_threads=batching.max_batch_size
+    )
+    worker = _Worker(service=service, load=load, warm_up=options.warm_up)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        worker.thread.start()
+        yield
+        worker.stopping.set()
+        batcher.stop()
+        service.tasks.close()
+
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(service=service, lifespan=lifespan),
+            lifespan="on",
+            log_level="info" if options.log_requests else "warning",
+            access_log=options.log_requests,
+            limit_concurrency=options.max_connections,
+            timeout_graceful_shutdown=options.shutdown_timeout_s,
+        )
+    )
+    worker.on_failure = lambda: setattr(server, "should_exit", True)
+    return Running(server=server, worker=worker, service=service)
+
+
+def serve(
+    *,
+    sock: socket.socket,
+    options: ServerOptions,
+    http: HttpOptions,
+    batching: BatchLimits,
+    load: Callable[[], Engine],
+) -> int:
+    """Serves on `sock` until SIGTERM or Ctrl-C; the model comes from `load`, called in the
+    worker thread. Returns the exit code (0), or raises the loading error."""
+    running = build(options=options, http=http, batching=batching, load=load)
+    received = _noted_stop_signals()
+    host, port = sock.getsockname()[:2]
+    say(f"listening on http://{host}:{port}; GET /health answers 503 until the model is ready")
+    running.server.run(sockets=[sock])
+    worker = running.worker
+    # The queue is empty now; the worker ends once its last batch (or compile) is done.
+    worker.thread.join(timeout=options.shutdown_timeout_s)
+    if worker.error is not None:
+        raise worker.error
+    if worker.thread.is_alive():
+        # A model call that outlived the shutdown timeout answers no one now, and cannot be
+        # interrupted; interpreter teardown under a running jax call can crash, so leave now.
+        say("stopped with a model call still running")
+        os._exit(0)
+    answered = sum(
+        sample.value
+        for family in running.service.metrics.registry.collect()
+        if family.name == "t5tpu_serve_requests"
+        for sample in family.samples
+        if sample.name.endswith("_total")
+    )
+    say(f"stopped ({', '.join(received) or 'server exit'}) after {answered:.0f} requests")
+    return 0
