@@ -3,7 +3,7 @@ MODEL_DIR, binary and overlong inputs, bad macro values, a half-copied checkpoin
 training runs on one MODEL_DIR, and failed eval/infer runs beside earlier successful ones.
 
 Each test runs `t5tpu` as a subprocess on its own copy of one tiny model trained once for the
-module, and checks the contract of README's "When things go wrong": the exit code, a stderr of
+module, and checks the contract of docs/FAULTS.md: the exit code, a stderr of
 at most a few lines that names the cause (no traceback), and every file that was in MODEL_DIR
 before still there, byte for byte (a damaged checkpoint may be moved aside, never deleted).
 
