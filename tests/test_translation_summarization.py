@@ -115,7 +115,7 @@ def test_summarization_reaches_a_real_rouge(summarization):
 def _inferred(model_dir, experiment: str, *flags: str) -> list[dict]:
     """The rows `t5tpu infer` wrote (the path is the one its last line names)."""
     run = succeeded(t5tpu("infer", f"--gin_file={experiment}", *flags, model_dir=model_dir))
-    path = re.search(r"wrote \d+ predictions to (\S+)$", run.stdout.strip()).group(1)
+    path = re.search(r"wrote \d+ predictions to (\S+)", run.stdout).group(1)
     return read_jsonl(path)
 
 
