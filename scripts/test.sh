@@ -15,4 +15,4 @@ fi
 # bound by one-threaded compiles and subprocess start-ups, so two cores finish it ~1.5x sooner.
 # Everything runs here, the tests marked `slow` (end-to-end runs of the command line) too; for a
 # quick run while developing, leave those out: bash scripts/test.sh -m "not slow"
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"
