@@ -49,17 +49,7 @@ repetitions so load hits both alike, and reports t5tpu/HF ratios of the medians.
 
 def parser() -> ToolParser:
     p = ToolParser(prog=f"t5tpu {NAME}", description=_DESCRIPTION, example=EXAMPLE)
-    p.add_argument(
-        "--gin_file", action="append", default=[], metavar="FILE", help="model gin file(s)"
-    )
-    p.add_argument(
-        "--gin_bindings",
-        action="append",
-        default=[],
-        metavar="'NAME = VALUE'",
-        help="gin bindings; --gin.NAME=VALUE works too",
-    )
-    p.add_argument("--gin_search_paths", default="", metavar="DIR[,DIR...]", help="gin includes")
+    p.add_gin_flags(gin_file_help="model gin file(s)")
     p.add_argument("--batch_size", type=int, default=8, help="examples per train/score batch")
     p.add_argument("--input_length", type=int, default=128, help="tokens per input")
     p.add_argument("--target_length", type=int, default=32, help="tokens per target")

@@ -48,15 +48,7 @@ is AIP_HTTP_PORT and AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE answer too."""
 
 def parser() -> ToolParser:
     p = ToolParser(prog=f"t5tpu {NAME}", description=_DESCRIPTION, example=EXAMPLE)
-    p.add_argument("--gin_file", action="append", default=[], metavar="FILE", help="gin file(s)")
-    p.add_argument(
-        "--gin_bindings",
-        action="append",
-        default=[],
-        metavar="'NAME = VALUE'",
-        help="gin bindings; --gin.NAME=VALUE works too",
-    )
-    p.add_argument("--gin_search_paths", default="", metavar="DIR[,DIR...]", help="gin includes")
+    p.add_gin_flags(gin_file_help="gin file(s)")
     p.add_argument("--model", metavar="PATH", help="the model, when not MODEL_DIR")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, help=f"default: ${PORT_VARIABLE}, else {DEFAULT_PORT}")

@@ -36,5 +36,22 @@ class ToolParser(argparse.ArgumentParser):
             formatter_class=_HelpFormatter,
         )
 
+    def add_gin_flags(self, *, gin_file_help: str) -> None:
+        """--gin_file, --gin_bindings and --gin_search_paths, as the gin commands take them
+        (--gin.NAME=VALUE is rewritten to a binding before parsing)."""
+        self.add_argument(
+            "--gin_file", action="append", default=[], metavar="FILE", help=gin_file_help
+        )
+        self.add_argument(
+            "--gin_bindings",
+            action="append",
+            default=[],
+            metavar="'NAME = VALUE'",
+            help="gin bindings; --gin.NAME=VALUE works too",
+        )
+        self.add_argument(
+            "--gin_search_paths", default="", metavar="DIR[,DIR...]", help="gin includes"
+        )
+
     def error(self, message: str):
         raise UserError(f"{message}; see {self.prog} --help")
