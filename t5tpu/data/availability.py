@@ -1,83 +1,20 @@
-"""Checks, before any work, that what a run reads is there: the files a task's source lists, a
-tfds data set that is prepared or can be (process 0 prepares it first on several hosts), and the
-bucket of a gs:// path (MODEL_DIR, a checkpoint, an input file)."""
+"""Checks, before any work, that what a run reads is there: the files a task's source lists, and
+a tfds data set that is prepared or can be (process 0 prepares it first on several hosts).
+Buckets of gs:// paths are storage.remote's."""
 
 from __future__ import annotations
 
 import os
 import socket
-import threading
 import urllib.parse
 
 import jax
-from etils import epath
 from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.runtime.lazy_imports import seqio, tf
 
 TFDS_GCS_HOST = "storage.googleapis.com"  # tfds' mirror of prepared data sets
-# How long a bucket may take to answer before its storage counts as unreachable: the storage
-# clients retry a refused connection for half a minute or more, then raise deep inside a run.
-STORAGE_ANSWER_SECONDS = float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
-
-
-def check_storage(path: str | None, setting: str) -> None:
-    """Refuses, in one line and within STORAGE_ANSWER_SECONDS, a remote `path` (gs://...) whose
-    bucket does not exist or whose storage does not answer; local paths and None pass. Without
-    it a missing bucket surfaces as a client's traceback, or is created by gcsfs when orbax
-    makes MODEL_DIR, and an unreachable endpoint as retries for minutes. `setting` names what
-    the user set (MODEL_DIR, --input, ...)."""
-    if not path or "://" not in path:
-        return
-    scheme, rest = path.split("://", 1)
-    bucket = f"{scheme}://{rest.split('/', 1)[0]}"
-    try:
-        exists = _bucket_exists(bucket)
-    except TimeoutError:
-        raise UserError(
-            f"{setting}={path}: the storage of {bucket} did not answer in "
-            f"{STORAGE_ANSWER_SECONDS:g} s; check the network (or STORAGE_EMULATOR_HOST)"
-        ) from None
-    except Exception as e:  # each client has its own errors; the first line says which
-        raise UserError(
-            f"{setting}={path}: cannot reach {bucket} ({type(e).__name__}: "
-            f"{one_line_message(e)[:200]}); check the network and credentials"
-        ) from None
-    if not exists:
-        raise UserError(
-            f"{setting}={path}: bucket {bucket} does not exist (or these credentials cannot "
-            "see it); create it or fix the path"
-        )
-
-
-# Buckets found to exist: a run that checks several paths in one bucket asks once.
-_FOUND_BUCKETS: set[str] = set()
-
-
-def _bucket_exists(bucket: str) -> bool:
-    """Whether `bucket` exists, asked through epath (the client that reads and writes MODEL_DIR)
-    in a daemon thread, so a client that keeps retrying is abandoned after the deadline."""
-    if bucket in _FOUND_BUCKETS:
-        return True
-    answer: dict = {}
-
-    def ask() -> None:
-        try:
-            answer["exists"] = epath.Path(bucket).exists()
-        except Exception as e:
-            answer["error"] = e
-
-    thread = threading.Thread(target=ask, name="t5tpu-storage-check", daemon=True)
-    thread.start()
-    thread.join(STORAGE_ANSWER_SECONDS)
-    if thread.is_alive():
-        raise TimeoutError(bucket)
-    if "error" in answer:
-        raise answer["error"]
-    if answer["exists"]:
-        _FOUND_BUCKETS.add(bucket)
-    return answer["exists"]
 
 
 def check_readable(name: str, split: str, setting: str | None = None) -> None:

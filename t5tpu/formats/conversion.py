@@ -26,7 +26,7 @@ from etils import epath
 
 from t5tpu import package_files
 from t5tpu.config import gin_setup
-from t5tpu.data import availability, vocab
+from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import (
     hf_format,
@@ -39,7 +39,7 @@ from t5tpu.formats import (
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
-from t5tpu.storage import checkpoints
+from t5tpu.storage import checkpoints, remote
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
 # The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
@@ -83,7 +83,7 @@ def _t5tpu_step_dir(path: str) -> tuple[str, int] | None:
 def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
     """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory); `setting`
     names the path in errors."""
-    availability.check_storage(path, setting)
+    remote.check_storage(path, setting)
     if not epath.Path(path).exists() and not epath.Path(f"{path}.index").exists():  # Mesh TF
         raise UserError(f"checkpoint {path} does not exist")
     if _t5tpu_step_dir(path):
@@ -181,7 +181,7 @@ def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
     )
     if inside:
         raise UserError(f"--output_dir={output_dir} contains --input; choose another directory")
-    availability.check_storage(output_dir, "--output_dir")
+    remote.check_storage(output_dir, "--output_dir")
     output = epath.Path(output_dir)
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise UserError(
@@ -217,7 +217,7 @@ def to_t5tpu(
 ) -> None:
     """Writes a Hugging Face, T5X or Mesh TF checkpoint (`source`, else detected) as
     output_dir/checkpoint_<step> plus model.gin; `command` is recorded in model.gin."""
-    availability.check_storage(input_path, "--input")
+    remote.check_storage(input_path, "--input")
     source = source or detect_format(input_path, "--input")
     if source not in IMPORTERS:
         raise UserError(
@@ -262,7 +262,7 @@ def _assumptions(config: T5Config) -> str:
 
 def _export_source(path: str) -> tuple[str, int]:
     """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory or the newest in a MODEL_DIR."""
-    availability.check_storage(path, "--input")
+    remote.check_storage(path, "--input")
     found = _t5tpu_step_dir(path)
     if found:
         return found

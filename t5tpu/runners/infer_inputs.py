@@ -22,6 +22,7 @@ from etils import epath
 from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio
+from t5tpu.storage import remote
 from t5tpu.tasks import registry
 
 
@@ -64,7 +65,7 @@ def _expand(spec: str) -> list[str]:
     for part in (p.strip() for p in spec.split(",")):
         if not part:
             continue
-        availability.check_storage(part, "INFER_INPUT_FILE")
+        remote.check_storage(part, "INFER_INPUT_FILE")
         if any(c in part for c in "*?["):
             parent, pattern = os.path.split(part)
             matches = sorted(str(p) for p in epath.Path(parent or ".").glob(pattern))

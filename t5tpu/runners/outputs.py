@@ -16,8 +16,8 @@ import jax
 from etils import epath
 
 from t5tpu.config import gin_setup
-from t5tpu.data import availability
 from t5tpu.errors import UserError
+from t5tpu.storage import remote
 
 _PROBE = ".t5tpu-write-check"
 
@@ -28,8 +28,8 @@ def checked_output_dir(model_dir: str, output_dir: str | None, setting: str) -> 
     Nothing is left behind: a folder that does not exist yet is checked through the nearest one
     that does (the run creates it with its first results)."""
     folder = output_dir or model_dir
-    availability.check_storage(model_dir, "MODEL_DIR")
-    availability.check_storage(output_dir, setting)
+    remote.check_storage(model_dir, "MODEL_DIR")
+    remote.check_storage(output_dir, setting)
     probe_dir = epath.Path(folder)
     if "://" not in folder:  # a bucket has no folders to create: an object can go anywhere
         while not probe_dir.exists() and probe_dir.parent != probe_dir:

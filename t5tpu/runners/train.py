@@ -44,7 +44,7 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints
+from t5tpu.storage import checkpoints, remote
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.writer_lock import WriterLock
 from t5tpu.tasks import registry
@@ -113,7 +113,7 @@ class StepSetup:
 def _create_dir(model_dir: str) -> bool:
     """Creates MODEL_DIR if missing (the lock file goes there); True if it was created."""
     # First: on gs:// a missing bucket would be created, and a dead endpoint retried for minutes.
-    availability.check_storage(model_dir, "MODEL_DIR")
+    remote.check_storage(model_dir, "MODEL_DIR")
     path = epath.Path(model_dir)
     if path.is_dir():
         return False
@@ -180,7 +180,7 @@ def _start_point(
 ) -> StartPoint:
     # Steps count on from a pretrained checkpoint's step; the input stream starts at its first
     # batch there, and a resume skips only the batches used since.
-    availability.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
+    remote.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
     resume = checkpoints.resume_point(model_dir)
     input_start_step = _input_start_step(resume, initial_checkpoint_path)
     last_step = train_steps + (input_start_step if relative_steps else 0)

@@ -1,0 +1,87 @@
+"""gs:// (any `scheme://`) storage answered within a deadline, through etils' epath: the client
+that reads and writes MODEL_DIR's files, and the one a local GCS emulator can stand in for.
+
+Storage clients retry a refused connection for half a minute or more and then raise deep inside
+a run; a missing bucket surfaces as a client's traceback, or is created by gcsfs when orbax makes
+MODEL_DIR. Every question asked of remote storage before work starts goes through `answered`,
+so the user waits at most STORAGE_ANSWER_SECONDS for one line naming what could not be reached.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import TypeVar
+
+from etils import epath
+
+from t5tpu.errors import UserError, one_line_message
+
+# How long storage may take to answer one question before it counts as unreachable.
+STORAGE_ANSWER_SECONDS = float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
+
+T = TypeVar("T")
+
+
+def is_remote(path: str | None) -> bool:
+    return bool(path) and "://" in str(path) and not str(path).startswith("file://")
+
+
+def bucket_of(path: str) -> str:
+    scheme, rest = str(path).split("://", 1)
+    return f"{scheme}://{rest.split('/', 1)[0]}"
+
+
+def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
+    """`ask()`, run in a daemon thread for a remote `path` so that a client that keeps retrying
+    is abandoned after STORAGE_ANSWER_SECONDS with one line; local paths are asked directly.
+    Errors of the client other than a missing file come back as one UserError naming `path`."""
+    if not is_remote(path):
+        return ask()
+    answer: dict = {}
+
+    def run() -> None:
+        try:
+            answer["value"] = ask()
+        except BaseException as e:  # handed to the caller's thread
+            answer["error"] = e
+
+    thread = threading.Thread(target=run, name="t5tpu-storage", daemon=True)
+    thread.start()
+    thread.join(STORAGE_ANSWER_SECONDS)
+    if thread.is_alive():
+        raise UserError(
+            f"{setting}={path}: the storage of {bucket_of(path)} did not answer in "
+            f"{STORAGE_ANSWER_SECONDS:g} s; check the network (or STORAGE_EMULATOR_HOST)"
+        )
+    error = answer.get("error")
+    if error is None:
+        return answer["value"]
+    if isinstance(error, (UserError, FileNotFoundError)):
+        raise error
+    raise UserError(
+        f"{setting}={path}: cannot reach {bucket_of(path)} ({type(error).__name__}: "
+        f"{one_line_message(error)[:200]}); check the network and credentials"
+    ) from None
+
+
+# Buckets found to exist: a run that checks several paths in one bucket asks once.
+_FOUND_BUCKETS: set[str] = set()
+
+
+def check_storage(path: str | None, setting: str) -> None:
+    """Refuses, in one line and within STORAGE_ANSWER_SECONDS, a remote `path` whose bucket does
+    not exist or whose storage does not answer; local paths and None pass. `setting` names what
+    the user set (MODEL_DIR, --input, ...)."""
+    if not is_remote(path):
+        return
+    bucket = bucket_of(path)
+    if bucket in _FOUND_BUCKETS:
+        return
+    if not answered(lambda: epath.Path(bucket).exists(), path=path, setting=setting):
+        raise UserError(
+            f"{setting}={path}: bucket {bucket} does not exist (or these credentials cannot "
+            "see it); create it or fix the path"
+        )
+    _FOUND_BUCKETS.add(bucket)
