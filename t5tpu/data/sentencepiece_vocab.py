@@ -13,20 +13,26 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import sentencepiece
-from etils import epath
+from google.protobuf import message
 from sentencepiece import sentencepiece_model_pb2
 
+from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio
+from t5tpu.storage import user_files
 
 PAD_ID = 0  # seqio's, and every T5 vocabulary's
+WHAT = "SentencePiece vocabulary"
+# The largest published models (mT5's 250k pieces) are a few MB: anything far larger is not one.
+MAX_MODEL_BYTES = 64 << 20
 
 
 def _processor(model_file: str, extra_ids: int) -> sentencepiece.SentencePieceProcessor:
     """The model with `extra_ids` sentinels appended as seqio appends them: <extra_id_0> is the
-    last id (T5's span corruption counts them down from the end)."""
-    model = epath.Path(model_file).read_bytes()
+    last id (T5's span corruption counts them down from the end). A file that is not a usable
+    SentencePiece model is refused in one line."""
+    model = user_files.read_bytes(model_file, what=WHAT, max_bytes=MAX_MODEL_BYTES)
+    proto = _checked_proto(model, model_file)
     if extra_ids:
-        proto = sentencepiece_model_pb2.ModelProto.FromString(model)
         for i in reversed(range(extra_ids)):
             proto.pieces.add(
                 piece=f"▁<extra_id_{i}>",
@@ -35,8 +41,39 @@ def _processor(model_file: str, extra_ids: int) -> sentencepiece.SentencePiecePr
             )
         model = proto.SerializeToString()
     processor = sentencepiece.SentencePieceProcessor()
-    processor.LoadFromSerializedProto(model)
+    try:
+        processor.LoadFromSerializedProto(model)
+    except RuntimeError as e:  # sentencepiece's own checks (no <unk>, duplicate pieces, ...)
+        raise _damaged(model_file, str(e).strip().splitlines()[0]) from None
+    if processor.eos_id() < 0:
+        raise UserError(
+            f"{WHAT}: {model_file} has no end-of-sequence piece, which T5 ends every text with; "
+            "give a model trained with an EOS id (T5's is 1)"
+        )
     return processor
+
+
+def _checked_proto(model: bytes, model_file: str) -> sentencepiece_model_pb2.ModelProto:
+    """The model's proto, parsed in Python first: sentencepiece's loader accepts pieces that are
+    not UTF-8, which then fail every decode that reaches them."""
+    try:
+        proto = sentencepiece_model_pb2.ModelProto.FromString(model)
+    except message.DecodeError:
+        raise _damaged(model_file, "not a SentencePiece model proto") from None
+    if not proto.pieces:
+        raise _damaged(model_file, "no pieces")
+    # upb hands a proto2 string that is not UTF-8 back as bytes.
+    bad = next((i for i, p in enumerate(proto.pieces) if not isinstance(p.piece, str)), None)
+    if bad is not None:
+        raise _damaged(model_file, f"piece {bad} is not UTF-8")
+    return proto
+
+
+def _damaged(model_file: str, why: str) -> UserError:
+    return UserError(
+        f"{WHAT}: {model_file} is not a usable SentencePiece model ({why}); bind "
+        "default_vocabulary.sentencepiece_model_file to an undamaged .model file"
+    )
 
 
 class SentencePieceVocabulary:
@@ -94,6 +131,8 @@ class SentencePieceVocabulary:
     def seqio_vocabulary(self):
         """seqio.SentencePieceVocabulary of the same model (imports seqio and TensorFlow)."""
         if self._seqio is None:
+            # Read here first: seqio's own read of a damaged file ends in TensorFlow's traceback.
+            _ = self.tokenizer
             self._seqio = seqio.SentencePieceVocabulary(
                 self.sentencepiece_model_file, self.extra_ids
             )

@@ -17,6 +17,7 @@ from collections.abc import Iterator, Sequence
 from etils import epath
 
 from t5tpu.errors import UserError
+from t5tpu.storage import user_files
 
 TSV_SUFFIXES = (".tsv", ".txt")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -98,18 +99,22 @@ def _parsed_lines(path: str, input_field: str, target_field: str) -> Iterator[tu
 
 
 def _lines(path: str) -> Iterator[tuple[int, str]]:
-    """(line number, text) of the non-empty lines; a file that is not UTF-8 text is refused."""
-    data = epath.Path(path).read_bytes()
+    """(line number, text) of the non-empty lines; a file that is not UTF-8 text (or holds a
+    NUL, as UTF-16 text does) is refused naming the line."""
+    data = user_files.read_bytes(path, what="text-to-text file")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise UserError(
-            f"{path} is not a UTF-8 text file (line {line}); give TSV or JSONL text"
-        ) from None
+        raise _not_text(path, data[: e.start].count(b"\n") + 1) from None
+    if "\0" in text:
+        raise _not_text(path, text[: text.index("\0")].count("\n") + 1)
     for number, line in enumerate(text.splitlines(), start=1):
         if line.strip():
             yield number, line.rstrip("\r")
+
+
+def _not_text(path: str, line: int) -> UserError:
+    return UserError(f"{path} is not a UTF-8 text file (line {line}); give TSV or JSONL text")
 
 
 def _tsv_row(line: str) -> tuple[str, str] | str:
@@ -123,7 +128,9 @@ def _json_row(line: str, input_field: str, target_field: str) -> tuple[str, str]
     try:
         row = json.loads(line)
     except ValueError as e:
-        return f"not JSON ({e.msg})"
+        return f"not JSON ({getattr(e, 'msg', e)})"
+    except RecursionError:  # brackets nested thousands deep
+        return "not JSON (nested too deeply)"
     if not isinstance(row, dict):
         return "not a JSON object"
     missing = [field for field in (input_field, target_field) if field not in row]

@@ -22,8 +22,12 @@ from etils import epath
 from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio
-from t5tpu.storage import remote
+from t5tpu.storage import remote, user_files
 from t5tpu.tasks import registry
+
+# A model input is at most thousands of tokens: a line far longer is not one (a file without
+# newlines, a binary file), and reading it would hold all of it in memory.
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,10 +96,15 @@ def read_lines(path: str) -> Iterator[tuple[str, str]]:
     """(text, 'line N of FILE') of each non-empty line, with universal newlines (\\r\\n and \\r
     end a line too, as a file opened as text reads). Read as bytes and decoded line by line, so
     a line that is not UTF-8 or holds a NUL (UTF-16 text, a binary file) is refused in one line
-    naming it."""
+    naming it, as is a line longer than MAX_LINE_BYTES."""
     number = 0
-    with epath.Path(path).open("rb") as f:
-        for raw in f:
+    with user_files.open_binary(path, what="INFER_INPUT_FILE") as f:
+        for raw in raw_lines(f, max_bytes=MAX_LINE_BYTES):
+            if raw is None:
+                raise UserError(
+                    f"INFER_INPUT_FILE {path}: line {number + 1} is longer than "
+                    f"{MAX_LINE_BYTES:,} bytes; give a text file with one model input per line"
+                )
             try:
                 decoded = raw.decode("utf-8")
             except UnicodeDecodeError:
@@ -106,6 +115,21 @@ def read_lines(path: str) -> Iterator[tuple[str, str]]:
                     raise _not_text(path, number)
                 if line.strip():
                     yield line.rstrip("\n"), f"line {number} of {path}"
+
+
+def raw_lines(f, *, max_bytes: int, chunk_size: int = 1 << 20) -> Iterator[bytes | None]:
+    """The lines of a binary file, split on b"\\n" and read a chunk at a time; None (then
+    stop) for a line longer than `max_bytes`, which is never held whole."""
+    pending = b""
+    while chunk := f.read(chunk_size):
+        lines = (pending + chunk).split(b"\n")
+        pending = lines.pop()
+        for line in lines:
+            yield line + b"\n" if len(line) <= max_bytes else None
+        if len(pending) > max_bytes:
+            yield None
+    if pending:
+        yield pending
 
 
 def _scan(read: Callable[[], Iterator[Record]], what: str) -> tuple[str, int]:

@@ -9,11 +9,16 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 from etils import epath
 
 from t5tpu.model import decoding
+from t5tpu.runners import infer_inputs
+from t5tpu.storage import user_files
+
+# An input line, its prediction and target, escaped as JSON: anything longer is not one.
+_MAX_LINE_BYTES = 8 * infer_inputs.MAX_LINE_BYTES
 
 
 def file_name(
@@ -40,15 +45,31 @@ def file_name(
 
 def _holds(path: str, inputs: Iterable[str]) -> bool:
     """Whether `path` is a predictions file of exactly `inputs`, in order; both are read as
-    streams, so neither is held in memory."""
-    missing = object()
-    try:
-        with epath.Path(path).open() as f:
-            held = (json.loads(line)["input"] for line in f if line.strip())
-            pairs = itertools.zip_longest(held, inputs, fillvalue=missing)
-            return all(a == b for a, b in pairs)
-    except (ValueError, KeyError, TypeError):
-        return False
+    streams, so neither is held in memory. A file that is not one (damaged, another kind) holds
+    no inputs: it is kept, and the predictions go to another name."""
+    with user_files.open_binary(path, what="predictions file") as f:
+        pairs = itertools.zip_longest(_held_inputs(f), inputs, fillvalue=_NOT_AN_INPUT)
+        return all(a == b for a, b in pairs)
+
+
+# Equal to no input text: what a line that is not a prediction holds.
+_NOT_AN_INPUT = object()
+
+
+def _held_inputs(f) -> Iterator[object]:
+    """The "input" of each line of a predictions file; _NOT_AN_INPUT for a line that has none
+    (not UTF-8, not a JSON object, longer than any line infer writes)."""
+    for raw in infer_inputs.raw_lines(f, max_bytes=_MAX_LINE_BYTES):
+        if raw is None:
+            yield _NOT_AN_INPUT
+            return
+        if not raw.strip():
+            continue
+        try:
+            row = json.loads(raw.decode("utf-8"))
+        except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+            row = None
+        yield row.get("input", _NOT_AN_INPUT) if isinstance(row, dict) else _NOT_AN_INPUT
 
 
 def own_file(path: str, inputs: Iterable[str]) -> str:

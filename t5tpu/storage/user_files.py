@@ -27,7 +27,7 @@ def _refused(error: OSError, path: str, what: str) -> Exception:
     if isinstance(error, FileNotFoundError):
         return UserError(f"{what}: no file {path}; check the path")
     if isinstance(error, IsADirectoryError):
-        return UserError(f"{what}: {path} is a folder, not a file; give the file inside it")
+        return UserError(f"{what}: {path} is a folder where a file should be; give the file")
     if isinstance(error, PermissionError):
         return UserError(f"{what}: {path} cannot be read (permission denied); fix its mode")
     return UserError(f"{what}: {path} cannot be read ({error.strerror or error}); check it")
@@ -81,7 +81,7 @@ def read_json(path: str, *, what: str, expect: type = dict, max_bytes: int | Non
     text = read_text(path, what=what, max_bytes=max_bytes)
     try:
         value = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: brackets nested thousands deep
         raise UserError(
             f"{what}: {path} is not valid JSON ({e}); give the file as written"
         ) from None
@@ -119,3 +119,34 @@ def field(mapping: dict, key: str, expect: type | tuple[type, ...], *, path: str
 
 def _types(expect) -> tuple[type, ...]:
     return expect if isinstance(expect, tuple) else (expect,)
+
+
+def read_range(path: str, start: int, length: int, *, what: str) -> bytes:
+    """`length` bytes of `path` from offset `start` (a binary file's header or index, read
+    without reading the rest); refused in one line when the file ends before them. Check
+    `length` against the file's size first (check_length) when it was read from the file."""
+
+    def ask() -> bytes:
+        with epath.Path(path).open("rb") as f:
+            f.seek(start)
+            return f.read(length)
+
+    try:
+        data = remote.answered(ask, path=path, setting=what)
+    except OSError as e:
+        raise _refused(e, path, what) from None
+    if len(data) != length:
+        raise UserError(
+            f"{what}: {path} is cut short (it ends {length - len(data):,} bytes before the "
+            f"{length:,} at offset {start:,}); give a complete copy"
+        )
+    return data
+
+
+def open_binary(path: str, *, what: str):
+    """`path` opened for reading bytes, for readers that stream a file too large to read whole
+    (input lines, predictions); refused in one line as read_bytes refuses."""
+    try:
+        return remote.answered(lambda: epath.Path(path).open("rb"), path=path, setting=what)
+    except OSError as e:
+        raise _refused(e, path, what) from None
