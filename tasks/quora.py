@@ -24,9 +24,10 @@ import numpy as np
 from t5tpu.tasks import metrics, registry
 
 from t5tpu import package_files
-from t5tpu.data import quora_csv
+from t5tpu.data import availability, quora_csv
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
+from t5tpu.storage import remote, user_files
 
 TASK_NAME = "qp_is_duplicate"
 SIMILAR_TASK_NAME = "generate_similar_question"
@@ -35,6 +36,10 @@ TFDS_SUFFIX = "_tfds"
 TFDS_NAME = "glue/qqp:2.0.0"
 SAMPLE_DIR = package_files.asset("quora_sample")
 SEPARATOR = "<SEP>"
+DATA_DIR_SETTING = "QUORA_DATA_DIR"
+# stats.json lists every rejected row of the input; a file far larger than the full release's
+# would be is not one.
+MAX_STATS_BYTES = 256 << 20
 
 
 @gin.configurable
@@ -96,28 +101,52 @@ def _sample_source() -> seqio.DataSource:
 
 
 def _prepared_source(data_dir: str) -> seqio.DataSource:
-    """The TFRecord splits that `t5tpu prepare-quora` wrote into `data_dir`."""
+    """The TFRecord splits that `t5tpu prepare-quora` wrote into `data_dir`, whose stats.json
+    (read through the storage layer, as every gs:// file t5tpu reads) gives each split's size.
+    The TFRecords themselves are tf.data's to read: availability.check_readable checks them
+    before a run."""
     stats_path = os.path.join(data_dir, quora_csv.STATS_FILE)
+    remote.check_storage(data_dir, DATA_DIR_SETTING)
     # stats.json is renamed into place last, so its presence means the splits are complete.
-    if not tf.io.gfile.exists(stats_path):
+    if not remote.is_file(stats_path, DATA_DIR_SETTING):
         raise UserError(
             f"no prepared Quora data in {data_dir} ({quora_csv.STATS_FILE} missing); run "
             f"`t5tpu prepare-quora --input=train.csv --output_dir={data_dir}` or fix QUORA_DATA_DIR"
         )
-    with tf.io.gfile.GFile(stats_path) as file:
-        try:
-            num_pairs = json.load(file)["pairs"]
-        except (ValueError, KeyError, TypeError):
-            raise UserError(
-                f"{stats_path} is not the stats.json `t5tpu prepare-quora` writes; run it again "
-                f"with --output_dir={data_dir} --overwrite, or fix QUORA_DATA_DIR"
-            ) from None
-    return seqio.TFExampleDataSource(
+    source = seqio.TFExampleDataSource(
         split_to_filepattern={
             split: os.path.join(data_dir, name) for split, name in quora_csv.OUTPUT_FILES.items()
         },
         feature_description=quora_csv.tfrecord_feature_description(),
-        num_input_examples=num_pairs,
+        num_input_examples=_split_sizes(stats_path, data_dir),
+    )
+    # The counts are what prepare-quora wrote: a split holding fewer records lost some.
+    setattr(source, availability.EXACT_SIZES, True)
+    return source
+
+
+def _split_sizes(stats_path: str, data_dir: str) -> dict[str, int]:
+    """{split: pairs} of a stats.json, refused in one line unless it is the file prepare-quora
+    writes: seqio sizes its shuffling and epochs by these numbers."""
+    text = user_files.read_text(stats_path, what=DATA_DIR_SETTING, max_bytes=MAX_STATS_BYTES)
+    try:
+        stats = json.loads(text)
+    except (ValueError, RecursionError) as e:
+        raise _not_stats(stats_path, data_dir, f"not JSON: {e}") from None
+    pairs = stats.get("pairs") if isinstance(stats, dict) else None
+    if not isinstance(pairs, dict):
+        raise _not_stats(stats_path, data_dir, "no 'pairs' object")
+    for split in quora_csv.SPLITS:
+        count = pairs.get(split)
+        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+            raise _not_stats(stats_path, data_dir, f"pairs[{split!r}] is not a count")
+    return {split: pairs[split] for split in quora_csv.SPLITS}
+
+
+def _not_stats(stats_path: str, data_dir: str, why: str) -> UserError:
+    return UserError(
+        f"{stats_path} is not the stats.json `t5tpu prepare-quora` writes ({why[:200]}); run it "
+        f"again with --output_dir={data_dir} --overwrite, or fix QUORA_DATA_DIR"
     )
 
 

@@ -12,13 +12,13 @@ not split into windows (docs/PERFORMANCE.md, "SQuAD", says how many answers that
 from __future__ import annotations
 
 import functools
-import json
 
 import gin
 from t5tpu.tasks import registry, squad_metrics
 
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
+from t5tpu.storage import remote, user_files
 
 V1_TASK = "squad_v1"
 V2_TASK = "squad_v2"
@@ -26,55 +26,120 @@ NO_ANSWER = "unanswerable"
 SPLITS = ("train", "validation")
 TFDS_NAMES = {V1_TASK: "squad/v1.1:3.0.0", V2_TASK: "squad/v2.0:3.0.0"}
 _MACROS = {V1_TASK: "SQUAD_V1", V2_TASK: "SQUAD_V2"}
+WHAT = "SQuAD file"
 
 
 # --- reading the official JSON format -------------------------------------------------------
 
 
 @functools.cache
-def read_squad_json(path: str, require_answers: bool) -> dict[str, list]:
+def read_squad_json(path: str, require_answers: bool, setting: str = WHAT) -> dict[str, list]:
     """One row per question of an official SQuAD JSON file, as columns.
 
     Answer texts and starts are lists of lists (empty for v2.0's unanswerable questions).
-    With require_answers (v1.1), a question without answers is an error.
+    With require_answers (v1.1), a question without answers is an error. The file is read
+    through the storage layer (a gs:// one within the storage answer time) and every field
+    the task uses is checked for its type here: a wrong one would otherwise fail inside tf.data.
+    `setting` names the binding that gave `path`.
     """
-    if not tf.io.gfile.exists(path):
+    if not remote.is_file(path, setting):
         raise UserError(f"SQuAD file not found: {path}; bind an existing dev-v1.1.json-format file")
-    with tf.io.gfile.GFile(path) as f:
-        try:
-            articles = json.loads(f.read())["data"]
-        except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
-            raise UserError(
-                f"{path} is not SQuAD JSON: expected {{'data': [articles]}} as in dev-v1.1.json"
-            ) from None
+    document = user_files.read_json(path, what=WHAT)
+    articles = _fields(document, {"data": list}, path, "the file")[0]
     columns = {k: [] for k in ("id", "title", "context", "question", "text", "answer_start")}
-    try:
-        for article in articles:
-            for paragraph in article["paragraphs"]:
-                for qa in paragraph["qas"]:
-                    _append_question(columns, article, paragraph, qa, path, require_answers)
-    except (KeyError, TypeError) as e:
-        raise UserError(
-            f"{path}: a question misses field {e}; expected the dev-v1.1.json format"
-        ) from None
+    for a, article in enumerate(articles):
+        where = f"article {a}"
+        (paragraphs,) = _fields(article, {"paragraphs": list}, path, where)
+        (title,) = _fields({"title": "", **article}, {"title": str}, path, where)
+        for p, paragraph in enumerate(paragraphs):
+            where = f"paragraph {p} of article {a}"
+            context, qas = _fields(paragraph, {"context": str, "qas": list}, path, where)
+            for q, qa in enumerate(qas):
+                question = _question(qa, path, f"question {q} of {where}", require_answers)
+                columns["title"].append(title)
+                columns["context"].append(context)
+                for key, value in question.items():
+                    columns[key].append(value)
     if not columns["id"]:
         raise UserError(f"{path} holds no questions; point it at a SQuAD JSON file")
     return columns
 
 
-def _append_question(columns, article, paragraph, qa, path, require_answers) -> None:
-    answers = qa["answers"]
+def _question(qa, path: str, where: str, require_answers: bool) -> dict:
+    """One question's id, question, answer texts and starts, each of the type SQuAD gives it."""
+    qa_id, question, answers = _fields(
+        qa, {"id": str, "question": str, "answers": list}, path, where
+    )
     if require_answers and not answers:
         raise UserError(
-            f"{path}: question {qa['id']} has no answer, which SQuAD v1.1 does not allow; "
+            f"{path}: question {qa_id} has no answer, which SQuAD v1.1 does not allow; "
             "use squad_v2 (SQUAD_V2_* files) for data with unanswerable questions"
         )
-    columns["id"].append(qa["id"])
-    columns["title"].append(article.get("title", ""))
-    columns["context"].append(paragraph["context"])
-    columns["question"].append(qa["question"])
-    columns["text"].append([answer["text"] for answer in answers])
-    columns["answer_start"].append([int(answer["answer_start"]) for answer in answers])
+    checked = [
+        _fields(answer, {"text": str, "answer_start": int}, path, f"answer {i} of {where}")
+        for i, answer in enumerate(answers)
+    ]
+    return {
+        "id": qa_id,
+        "question": question,
+        "text": [text for text, _ in checked],
+        "answer_start": [start for _, start in checked],
+    }
+
+
+def _fields(value, expected: dict[str, type], path: str, where: str) -> list:
+    """value[key] for each key of `expected`, which must be there with that type (a JSON
+    true/false is not a number)."""
+    if not isinstance(value, dict):
+        raise _not_squad(path, f"{where} is {_json_type(value)}, not an object")
+    found = []
+    for key, kind in expected.items():
+        if key not in value:
+            raise _not_squad(path, f"{where} has no {key!r}")
+        item = value[key]
+        if not isinstance(item, kind) or isinstance(item, bool):
+            raise _not_squad(
+                path, f"{where}'s {key!r} is {_json_type(item)}, not {_JSON_TYPES[kind]}"
+            )
+        unfit = _unfit_for_tensorflow(item)
+        if unfit:
+            raise _not_squad(path, f"{where}'s {key!r} {unfit}")
+        found.append(item)
+    return found
+
+
+_JSON_TYPES = {
+    dict: "an object",
+    list: "a list",
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "true/false",
+    type(None): "null",
+}
+
+
+def _json_type(value) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+def _unfit_for_tensorflow(item) -> str | None:
+    """Why tf.constant would refuse the value, else None: text must be UTF-8 (a JSON escape can
+    hold a lone surrogate, which is not), an answer start a 32-bit integer."""
+    if isinstance(item, str):
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            return "holds a lone surrogate escape (\\ud800-\\udfff), which is not text"
+    elif isinstance(item, int) and not -(2**31) <= item < 2**31:
+        return f"is {item}, beyond a 32-bit integer"
+    return None
+
+
+def _not_squad(path: str, problem: str) -> UserError:
+    return UserError(
+        f"{path} is not SQuAD JSON: {problem}; expected {{'data': [articles]}} as in dev-v1.1.json"
+    )
 
 
 def _json_dataset(columns: dict) -> tf.data.Dataset:
@@ -104,14 +169,16 @@ def _ragged(rows: list[list], dtype: tf.DType) -> tf.RaggedTensor:
 def _json_source(task_name: str, files: dict[str, str | None]) -> seqio.DataSource:
     require_answers = task_name == V1_TASK
     loaded = {
-        split: read_squad_json(path, require_answers) for split, path in files.items() if path
+        split: read_squad_json(path, require_answers, _setting(task_name, split))
+        for split, path in files.items()
+        if path
     }
 
     def dataset_fn(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del shuffle_files, seed  # one file per split; the Task shuffles examples when asked
         if split not in loaded:
             raise UserError(
-                f"{task_name} has no {split} file: set {_MACROS[task_name]}_{split.upper()}_FILE"
+                f"{task_name} has no {split} file: set {_setting(task_name, split)}"
                 f" (or bind no file at all to read tfds {TFDS_NAMES[task_name]})"
             )
         return _json_dataset(loaded[split])
@@ -121,6 +188,11 @@ def _json_source(task_name: str, files: dict[str, str | None]) -> seqio.DataSour
         splits=SPLITS,
         num_input_examples={split: len(columns["id"]) for split, columns in loaded.items()},
     )
+
+
+def _setting(task_name: str, split: str) -> str:
+    """The macro that names a split's file (experiments bind the source's files to it)."""
+    return f"{_MACROS[task_name]}_{split.upper()}_FILE"
 
 
 def _source(task_name, train_file, validation_file, tfds_data_dir) -> seqio.DataSource:

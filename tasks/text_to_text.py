@@ -22,6 +22,7 @@ from t5tpu.tasks import metrics, registry
 from t5tpu.data import text_files
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
+from t5tpu.storage import remote
 
 METRICS = {
     "accuracy": metrics.accuracy,
@@ -85,6 +86,7 @@ _ROWS_READ: dict[tuple, text_files.Rows] = {}
 
 def _split_rows(task: TextTask, split: str) -> text_files.Rows:
     setting = SPLIT_SETTINGS[split]
+    _check_storage(task.files[split], setting)
     paths = text_files.matching_files(task.files[split], setting)
     stats = [epath.Path(path).stat() for path in paths]
     key = (split, task.input_field, task.target_field, task.skip_malformed) + tuple(
@@ -97,6 +99,15 @@ def _split_rows(task: TextTask, split: str) -> text_files.Rows:
             del _ROWS_READ[old]
         _ROWS_READ[key] = rows
     return _ROWS_READ[key]
+
+
+def _check_storage(patterns: str | Sequence[str], setting: str) -> None:
+    """The bucket of each gs:// pattern, asked within the storage answer time before the files
+    are listed and read (through epath, whose client would retry a silent storage for long)."""
+    if isinstance(patterns, str):
+        patterns = patterns.split(",")
+    for pattern in patterns:
+        remote.check_storage(pattern.strip(), setting)
 
 
 def _check_rows(rows: text_files.Rows, task: TextTask, setting: str, paths: list[str]) -> None:

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from t5tpu.data import availability
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout
 from t5tpu.runtime.lazy_imports import seqio, tf
@@ -79,7 +80,7 @@ def train_batches(
             shard_info=seqio.ShardInfo(index=layout.shard_index, num_shards=layout.num_shards),
         )
         ds = ds.batch(layout.local_batch_size, drop_remainder=True)
-        return InputStream(ds.prefetch(tf.data.AUTOTUNE), fingerprint)
+        return InputStream(ds.prefetch(tf.data.AUTOTUNE), fingerprint, (task_name, split))
 
     restored = _restored_stream(stream, saved_position, fingerprint, skip_batches)
     if restored:
@@ -132,19 +133,33 @@ class InputStream:
     own filesystems; for a gs:// checkpoint it is written to a local folder and copied with
     etils' epath, the client that writes the rest of the checkpoint."""
 
-    def __init__(self, ds: tf.data.Dataset, fingerprint: str):
+    def __init__(self, ds: tf.data.Dataset, fingerprint: str, source: tuple[str, str] = ("", "")):
         self._iterator = iter(ds)
         self._fingerprint = fingerprint  # names the saved files: a fingerprint of the settings
+        self._source = source  # (task, split), named when a record is damaged
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return {name: value.numpy() for name, value in next(self._iterator).items()}
+        return {name: value.numpy() for name, value in self._next().items()}
 
     def skip(self, batches: int) -> None:
         for _ in range(batches):
-            next(self._iterator)
+            self._next()
+
+    def _next(self) -> dict:
+        """The next batch; a damaged record (data too large for availability's check before the
+        run, or damaged since) is one line naming the task's files, not tf.data's traceback."""
+        try:
+            return next(self._iterator)
+        except tf.errors.DataLossError as e:
+            task, split = self._source
+            raise UserError(
+                f"a record of the {split!r} split of task {task!r} is damaged "
+                f"({availability.tensorflow_message(e)}; its files: "
+                f"{availability.described_files(task, split)}); restore its data"
+            ) from None
 
     def save(self, prefix: str) -> None:
         """Writes the position (the shuffle and prefetch buffers included) to `prefix`.*."""

@@ -18,14 +18,16 @@ import functools
 import os
 
 import gin
-from etils import epath
 
 from t5tpu import package_files
 from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio
+from t5tpu.storage import remote
 
 KINDS = ("sentencepiece", "bytes")
+# The binding that names a SentencePiece model file, in messages.
+SETTING = "default_vocabulary.sentencepiece_model_file"
 
 
 @gin.configurable
@@ -55,20 +57,24 @@ def default_vocabulary(
                 "default_vocabulary.sentencepiece_model_file or use kind = 'sentencepiece'"
             )
         return _byte_vocabulary(extra_ids)
-    path = sentencepiece_model_file or bundled_vocabulary_file()
-    # Checked here, before anything is loaded, so a typo ends in one clear line; gs:// paths are
-    # left to fail when read, since asking the bucket costs a round trip and credentials.
-    if not path.startswith("gs://") and not epath.Path(path).exists():
-        raise UserError(
-            f"vocabulary file not found: {path}; bind default_vocabulary.sentencepiece_model_file"
-            " to an existing SentencePiece model"
-        )
-    return _load_vocabulary(path, extra_ids)
+    return _load_vocabulary(sentencepiece_model_file or bundled_vocabulary_file(), extra_ids)
 
 
 @functools.cache
 def _load_vocabulary(path: str, extra_ids: int) -> SentencePieceVocabulary:
+    _check_model_file(path)
     return SentencePieceVocabulary(path, extra_ids=extra_ids)
+
+
+def _check_model_file(path: str) -> None:
+    """Checked before anything is loaded (once per file: the vocabulary is cached), so a typo
+    ends in one clear line. A gs:// file is asked through the storage layer, bucket first,
+    within the storage answer time: seqio's vocabulary reads it later through TensorFlow's own
+    client, which cannot be bounded and ends in its own traceback."""
+    if not remote.is_file(path, SETTING):
+        raise UserError(
+            f"vocabulary file not found: {path}; bind {SETTING} to an existing SentencePiece model"
+        )
 
 
 @functools.cache

@@ -22,6 +22,9 @@ from t5tpu.errors import UserError, one_line_message
 STORAGE_ANSWER_SECONDS = float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
 
 T = TypeVar("T")
+# Answers about the file itself, passed on as they are for the caller to word; any other error
+# (aiohttp's connection errors are OSErrors too) means the storage could not be reached.
+_THE_FILES_OWN = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
 
 
 def is_remote(path: str | None) -> bool:
@@ -58,7 +61,7 @@ def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
     error = answer.get("error")
     if error is None:
         return answer["value"]
-    if isinstance(error, (UserError, FileNotFoundError)):
+    if isinstance(error, _THE_FILES_OWN):
         raise error
     raise UserError(
         f"{setting}={path}: cannot reach {bucket_of(path)} ({type(error).__name__}: "
@@ -85,3 +88,11 @@ def check_storage(path: str | None, setting: str) -> None:
             "see it); create it or fix the path"
         )
     _FOUND_BUCKETS.add(bucket)
+
+
+def is_file(path: str, setting: str) -> bool:
+    """Whether `path` is a file, asked through epath: a remote path's bucket is checked first
+    (check_storage) and the answer bounded by STORAGE_ANSWER_SECONDS. For what TensorFlow's own
+    client reads later (tf.data, seqio), so a missing object is found here, not in its retries."""
+    check_storage(path, setting)
+    return answered(lambda: epath.Path(path).is_file(), path=path, setting=setting)
