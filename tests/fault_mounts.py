@@ -3,7 +3,8 @@ folder (a read-only bind mount; root ignores permission bits, so chmod cannot ma
 
 Each is a context manager that mounts under a test's own tmp_path and always unmounts on the
 way out. Where mounting is not permitted (not root, no CAP_SYS_ADMIN, no `mount` binary, a
-container without it), the test is skipped with the reason.
+container without it), the test is skipped with the reason. The other faults of a writer need
+no mount: a folder where it writes a file, a file where it makes a folder.
 """
 
 from __future__ import annotations
@@ -85,3 +86,29 @@ def fill(folder, leave_free_bytes: int) -> str:
 def free_bytes(folder) -> int:
     stat = os.statvfs(folder)
     return stat.f_bavail * stat.f_frsize
+
+
+def folder_where_file(path) -> str:
+    """Makes `path`, where a writer puts a file, a folder holding a file of its own (so a
+    writer that removed it would lose something); returns that file's path."""
+    os.makedirs(path)
+    held = os.path.join(str(path), "kept.txt")
+    with open(held, "w") as f:
+        f.write("a file inside the folder in the way\n")
+    return held
+
+
+def file_where_folder(path) -> str:
+    """Makes `path`, where a writer makes a folder, a file; returns its path."""
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    with open(path, "w") as f:
+        f.write("a file in the way of a folder\n")
+    return str(path)
+
+
+def remove(path) -> None:
+    """Removes a file or a folder: the fault taken away before a rerun."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)

@@ -12,6 +12,7 @@ import difflib
 import functools
 import importlib
 import inspect
+import io
 import os
 import re
 import tokenize
@@ -22,7 +23,8 @@ from etils import epath
 
 from t5tpu import package_files
 from t5tpu.config import macro_limits
-from t5tpu.errors import UserError, environment_fault
+from t5tpu.errors import UserError, environment_fault, one_line_message
+from t5tpu.storage import atomic_files, user_files
 
 CONFIGURABLE_MODULES = (
     "t5tpu.model.network",
@@ -50,9 +52,58 @@ def _is_remote_file(path: str) -> bool:
     return "://" in path and epath.Path(path).exists()
 
 
-# gin opens files with open(); a --gin_file=gs://... (or an include of one) is read through
-# epath, the client that reads the rest of a gs:// MODEL_DIR.
-gin.config.register_file_reader(lambda path: epath.Path(path).open(), _is_remote_file)
+# Far beyond any config: a larger file named as one is something else, and is not read whole.
+MAX_GIN_FILE_BYTES = 4 << 20
+
+
+class _GinText(io.StringIO):
+    """A gin file's text as gin reads it: named, so gin's errors give the file, and turning the
+    errors gin raises without a location (a statement still open at the end) into one line."""
+
+    def __init__(self, text: str, path: str):
+        super().__init__(text)
+        self.name = path
+
+    def __exit__(self, kind, error, traceback):
+        super().__exit__(kind, error, traceback)
+        if isinstance(error, tokenize.TokenError) and len(error.args) == 2:
+            message, (line, _) = error.args
+            raise UserError(f"bad gin config: {message} ({self.name}, line {line})") from None
+
+
+def _gin_file(path: str) -> _GinText:
+    """Every gin file (--gin_file and what it includes), local or gs:// (through epath, the
+    client that reads the rest of a gs:// MODEL_DIR), read whole first: a binary or non-UTF-8
+    file is refused naming the file and line instead of failing mid-parse."""
+    text = user_files.read_text(path, what="gin file", max_bytes=MAX_GIN_FILE_BYTES)
+    if "\0" in text:
+        line = text[: text.index("\0")].count("\n") + 1
+        raise UserError(f"gin file: {path} is not text (a NUL byte on line {line}); give a .gin")
+    return _GinText(text, path)
+
+
+def _is_gin_file(path: str) -> bool:
+    return os.path.isfile(path) or _is_remote_file(path)
+
+
+def _lookup_failing_as_absent(exists):
+    """gin's last resort, a lookup on the Python path, fails with a TypeError when the folder of
+    a missing include is a namespace package (the checkout's `configs/...` from its root): such a
+    file is absent, so gin ends in its one 'Unable to open file' instead."""
+
+    def checked(path: str) -> bool:
+        try:
+            return exists(path)
+        except TypeError:
+            return False
+
+    return checked
+
+
+# gin tries its readers in order, open() first, which decodes as it parses: a binary file would
+# fail with neither its name nor its line. This reader goes first (gin has no public way).
+_READERS = gin.config._FILE_READERS  # noqa: SLF001
+_READERS[:] = [(_gin_file, _is_gin_file), *((r, _lookup_failing_as_absent(e)) for r, e in _READERS)]
 
 
 def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) -> None:
@@ -69,6 +120,8 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
     _check_files_exist(gin_files, roots)
     try:
         gin.parse_config_files_and_bindings(gin_files, bindings, finalize_config=False)
+    except UserError as e:  # an included file's (_gin_file): gin adds lines naming the include
+        raise UserError(one_line_message(e)) from None
     except OSError as e:
         raise UserError(
             f"{str(e).splitlines()[0]} Check the --gin_file path or add --gin_search_paths"
@@ -78,6 +131,9 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
         if isinstance(e, SyntaxError) and binding and not e.filename:  # a command-line binding
             hint = _quoting_hint(binding)
             raise UserError(f"cannot parse the binding `{binding}`{hint}") from None
+        if isinstance(e, SyntaxError) and e.filename:  # gin's str() gives the file's basename
+            message = " ".join(line.strip() for line in str(e.msg).splitlines() if line.strip())
+            raise UserError(f"bad gin config: {message} ({e.filename}, line {e.lineno})") from None
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
     macro_limits.check_macros()
@@ -203,21 +259,24 @@ def runner(fn):
     return gin.configurable(checked)
 
 
-def write_operative_config(path: str, keep_previous_as: str | None = None) -> str:
+def write_operative_config(
+    path: str, keep_previous_as: str | None = None, *, setting: str = "MODEL_DIR"
+) -> str:
     """Writes the config that the run actually used (every bound value that was read) to `path`
-    (a storage.model_dir path); on a multi-host run only process 0 writes it. With
-    `keep_previous_as` (a path too), a different config already at `path` is renamed to it
-    instead of being replaced (unless that path is taken: nothing is overwritten)."""
+    (a storage.model_dir path), atomically (storage.atomic_files; `setting` is named when it
+    cannot be written); on a multi-host run only process 0 writes it. With `keep_previous_as`
+    (a path too), a different config already at `path` is renamed to it instead of being
+    replaced (unless that path is taken: nothing is overwritten)."""
     if jax.process_index() != 0:
         return path
     # Through epath, as everything in MODEL_DIR: TensorFlow's gs:// client is a second one that
     # cannot be pointed elsewhere (a test's emulator) and fails where gcsfs is configured.
-    target = epath.Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     config = gin.operative_config_str()
-    if keep_previous_as:
-        _keep_if_different(target, epath.Path(keep_previous_as), config)
-    target.write_text(config)
+    with atomic_files.atomic_file(path, setting=setting) as f:
+        f.write(config)
+        f.flush()  # a full disk says so now, before the config there is moved aside
+        if keep_previous_as:
+            _keep_if_different(epath.Path(path), epath.Path(keep_previous_as), config)
     return path
 
 

@@ -18,6 +18,7 @@ import re
 from collections.abc import Iterable, Iterator
 
 from t5tpu.errors import UserError
+from t5tpu.storage import atomic_files
 
 FIELDS = ("id", "qid1", "qid2", "question1", "question2", "is_duplicate")
 SPLITS = ("train", "validation")
@@ -57,11 +58,10 @@ def read_pairs(path: str) -> Iterator[dict[str, str]]:
 
 
 def write_pairs(path: str, pairs: Iterable[dict[str, str]]) -> int:
-    """Writes pairs as a Quora TSV file (header, tabs, minimal csv quoting); returns the count."""
-    import tensorflow as tf
-
+    """Writes pairs as a Quora TSV file (header, tabs, minimal csv quoting), atomically
+    (storage.atomic_files); returns the count."""
     count = 0
-    with tf.io.gfile.GFile(path, "w") as file:
+    with atomic_files.atomic_file(path, setting="the path given") as file:
         # lineterminator "\n" and minimal quoting are what the original file uses.
         writer = csv.DictWriter(file, fieldnames=FIELDS, delimiter="\t", lineterminator="\n")
         writer.writeheader()
@@ -78,6 +78,8 @@ STATS_FILE = "stats.json"
 _INTEGER_FIELDS = ("id", "qid1", "qid2")
 _QUESTION_FIELDS = ("question1", "question2")
 _LABELS = ("0", "1")
+_MAX_DIGITS = 18
+MAX_LINE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,9 +136,10 @@ class _DecodedLines:
     `undecodable`, so the record holding it can be rejected instead of written garbled.
     """
 
-    def __init__(self, file, chunk_size: int = 1 << 20):
+    def __init__(self, file, chunk_size: int = 1 << 20, name: str = "the input"):
         self._file = file
         self._chunk_size = chunk_size
+        self._name = name
         self.undecodable: set[int] = set()
 
     def __iter__(self) -> Iterator[str]:
@@ -152,13 +155,26 @@ class _DecodedLines:
 
     def _raw_lines(self) -> Iterator[bytes]:
         pending = b""
+        number = 0
         while chunk := self._file.read(self._chunk_size):
             lines = (pending + chunk).split(b"\n")
             pending = lines.pop()
             for line in lines:
+                number += 1
+                self._check_length(line, number)
                 yield line + b"\n"
+            self._check_length(pending, number + 1)
         if pending:
             yield pending
+
+    def _check_length(self, line: bytes, number: int) -> None:
+        # No record's six fields fill a line this long (csv caps a field at 128 KiB): the file
+        # is not a pairs file, and its line is not held whole.
+        if len(line) > MAX_LINE_BYTES:
+            raise UserError(
+                f"--input={self._name}: line {number} is longer than {MAX_LINE_BYTES:,} bytes; "
+                "pass Kaggle's train.csv or a QQP TSV"
+            )
 
 
 def _detect_delimiter(path: str, header_line: str) -> tuple[str, str]:
@@ -205,6 +221,8 @@ def _pair_or_reason(fields: list[str]) -> dict | str:
     for name in _INTEGER_FIELDS:
         if not re.fullmatch(r"[0-9]+", values[name].strip()):
             return f"{name} {_excerpt(values[name])} is not a non-negative integer"
+        if len(values[name].strip()) > _MAX_DIGITS:  # beyond a TFRecord's int64
+            return f"{name} {_excerpt(values[name])} has more than {_MAX_DIGITS} digits"
     label = values["is_duplicate"].strip()
     if label not in _LABELS:
         return f"is_duplicate {_excerpt(values['is_duplicate'])} is not 0 or 1"
@@ -250,7 +268,8 @@ def tfrecord_feature_description() -> dict:
 
 class _StagedOutput:
     """Writes the output files under temporary names and renames them into place only when
-    everything succeeded, stats.json last; on failure the temporary files are removed."""
+    everything succeeded, stats.json last; on failure the temporary files are removed. A write
+    that fails (TensorFlow's errors) is storage.atomic_files' error naming the file."""
 
     def __init__(self, output_dir: str):
         self.output_dir = output_dir
@@ -261,11 +280,30 @@ class _StagedOutput:
         self._staged[final] = f"{final}.tmp"
         return self._staged[final]
 
+    def make_folder(self) -> None:
+        import tensorflow as tf
+
+        with atomic_files.write_faults(self.output_dir, _OUTPUT_SETTING):
+            tf.io.gfile.makedirs(self.output_dir)
+
+    def record_writer(self, name: str) -> "_RecordWriter":
+        return _RecordWriter(self.path(name), os.path.join(self.output_dir, name))
+
+    def write_text(self, name: str, text: str) -> None:
+        import tensorflow as tf
+
+        faults = atomic_files.write_faults(os.path.join(self.output_dir, name), _OUTPUT_SETTING)
+        with faults, tf.io.gfile.GFile(self.path(name), "w") as file:
+            file.write(text)
+
     def commit(self) -> None:
         import tensorflow as tf
 
+        for final in self._staged:  # a folder in the way: nothing replaced yet
+            atomic_files.refuse_a_folder(final, _OUTPUT_SETTING)
         for final, tmp in self._staged.items():
-            tf.io.gfile.rename(tmp, final, overwrite=True)
+            with atomic_files.write_faults(final, _OUTPUT_SETTING):
+                tf.io.gfile.rename(tmp, final, overwrite=True)
         self._staged.clear()
 
     def discard(self) -> None:
@@ -275,6 +313,28 @@ class _StagedOutput:
             if tf.io.gfile.exists(tmp):
                 tf.io.gfile.remove(tmp)
         self._staged.clear()
+
+
+_OUTPUT_SETTING = "--output_dir"
+
+
+class _RecordWriter:
+    """A TFRecordWriter of `tmp` whose failed writes name `final` (atomic_files.write_faults)."""
+
+    def __init__(self, tmp: str, final: str):
+        import tensorflow as tf
+
+        self._final = final
+        with atomic_files.write_faults(final, _OUTPUT_SETTING):
+            self._writer = tf.io.TFRecordWriter(tmp)
+
+    def write(self, record: bytes) -> None:
+        with atomic_files.write_faults(self._final, _OUTPUT_SETTING):
+            self._writer.write(record)
+
+    def close(self) -> None:
+        with atomic_files.write_faults(self._final, _OUTPUT_SETTING):
+            self._writer.close()
 
 
 def _check_paths(input_path: str, output_dir: str, overwrite: bool) -> None:
@@ -315,8 +375,7 @@ def prepare(
     staged = _StagedOutput(output_dir)
     try:
         stats = _convert(input_path, staged, quoting)
-        with tf.io.gfile.GFile(staged.path(STATS_FILE), "w") as file:
-            file.write(stats.to_json())
+        staged.write_text(STATS_FILE, stats.to_json())
         staged.commit()
     except BaseException:
         staged.discard()
@@ -331,7 +390,7 @@ def _convert(input_path: str, staged: _StagedOutput, quoting: str) -> PrepareSta
     import tensorflow as tf
 
     with tf.io.gfile.GFile(input_path, "rb") as file:
-        lines = _DecodedLines(file)
+        lines = _DecodedLines(file, name=input_path)
         line_iter = iter(lines)
         header = next(line_iter, "")
         if 1 in lines.undecodable or "\0" in header:  # before any output: a binary file
@@ -341,8 +400,8 @@ def _convert(input_path: str, staged: _StagedOutput, quoting: str) -> PrepareSta
             )
         delimiter, file_format = _detect_delimiter(input_path, header)
         stats = PrepareStats(input=input_path, format=file_format)
-        tf.io.gfile.makedirs(staged.output_dir)
-        writers = {s: tf.io.TFRecordWriter(staged.path(OUTPUT_FILES[s])) for s in SPLITS}
+        staged.make_folder()
+        writers = {s: staged.record_writer(OUTPUT_FILES[s]) for s in SPLITS}
         try:
             records = _records(line_iter, delimiter, quoting, lines_before=1)
             _write_pairs(records, lines, writers, stats)

@@ -10,6 +10,7 @@ other. Splits other than 'validation' are kept apart (storage.model_dir.eval_run
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import jax
@@ -23,22 +24,35 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import example_progress
 from t5tpu.runtime.lazy_imports import seqio, tf
+from t5tpu.storage import atomic_files, remote, user_files
 from t5tpu.storage import model_dir as paths
+
+# Metrics of thousands of steps and tasks are a few MB; a far larger file is not this one.
+MAX_METRICS_BYTES = 64 << 20
+
+# What moves the results elsewhere, named when they cannot be written (MODEL_DIR too).
+OUTPUT_SETTING = "EVAL_OUTPUT_DIR"
 
 
 def recorded_metrics(path: str) -> dict:
-    """{step: {task: metrics}} as written so far; {} before the first evaluation."""
-    if not epath.Path(path).exists():
+    """{step: {task: metrics}} as written so far; {} before the first evaluation. A file that
+    is not one is refused in one line, never replaced: it holds every earlier result."""
+    what = "eval metrics"
+    if not remote.answered(epath.Path(path).exists, path=path, setting=what):
         return {}
-    with epath.Path(path).open() as f:
-        return json.load(f)
-
-
-def _write_atomically(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with epath.Path(tmp).open("w") as f:
-        f.write(text)
-    epath.Path(tmp).replace(path)
+    recorded = user_files.read_json(path, what=what, max_bytes=MAX_METRICS_BYTES)
+    for step, tasks in recorded.items():
+        if not re.fullmatch(r"[0-9]{1,18}", step):
+            problem = f"step {step[:40]!r} is not a number"
+        elif not isinstance(tasks, dict) or not all(isinstance(m, dict) for m in tasks.values()):
+            problem = f"step {step} is not {{task: {{metric: value}}}}"
+        else:
+            continue
+        raise UserError(
+            f"{what}: {path} is not the file t5tpu writes ({problem}); move it away (a new one "
+            "is written) or restore it"
+        )
+    return recorded
 
 
 def _scalars(metrics: dict) -> dict:
@@ -93,7 +107,7 @@ class TaskEvaluator:
             from t5tpu.storage import summaries
 
             self._writer = summaries.writer(
-                self.summaries_dir, just_logging=jax.process_index() > 0
+                self.summaries_dir, just_logging=jax.process_index() > 0, setting=OUTPUT_SETTING
             )
         return self._writer
 
@@ -142,7 +156,9 @@ class TaskEvaluator:
             },
         )
         self.writer.flush()
-        recorded = recorded_metrics(self.metrics_file)
+        # A folder where the file goes is found here first, while reading it.
+        with atomic_files.write_faults(self.metrics_file, OUTPUT_SETTING):
+            recorded = recorded_metrics(self.metrics_file)
         datasets = self.evaluator.cached_task_datasets
         recorded.setdefault(str(step), {}).update(
             {
@@ -151,7 +167,8 @@ class TaskEvaluator:
                 for task, values in metrics.items()
             }
         )
-        _write_atomically(self.metrics_file, json.dumps(recorded, indent=2, sort_keys=True))
+        text = json.dumps(recorded, indent=2, sort_keys=True)
+        atomic_files.write_atomically(self.metrics_file, text, setting=OUTPUT_SETTING)
 
 
 def _seqio_evaluator(

@@ -16,16 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 import sys
 from collections.abc import Iterator
 
 from etils import epath
 
+from t5tpu.storage import atomic_files, remote, user_files
+
+# What moves the predictions elsewhere, named when they cannot be written (MODEL_DIR too).
+OUTPUT_SETTING = "INFER_OUTPUT_DIR"
 MANIFEST = "MANIFEST.json"
 END = "END.json"
 _CHUNK = re.compile(r"^(\d{12})-(\d{12})\.jsonl$")
+# MANIFEST and END hold a few settings: a far larger file there is damaged, and not read whole.
+_MAX_JSON_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,14 +78,16 @@ class ChunkStore:
                 file=sys.stderr,
                 flush=True,
             )
-            self.folder.rmtree(missing_ok=True)
+            with atomic_files.write_faults(str(self.folder), OUTPUT_SETTING):
+                self.folder.rmtree(missing_ok=True)
             recorded = None
         if recorded is None:
             if writer:
-                self.folder.mkdir(parents=True, exist_ok=True)
+                with atomic_files.write_faults(str(self.folder), OUTPUT_SETTING):
+                    self.folder.mkdir(parents=True, exist_ok=True)
                 self._write(MANIFEST, json.dumps(self.manifest, sort_keys=True) + "\n")
             return []
-        return self.done()
+        return self._sound(self.done(), writer=writer)
 
     def done(self) -> list[Span]:
         if not self.folder.is_dir():
@@ -89,7 +96,7 @@ class ChunkStore:
         for path in self.folder.iterdir():
             if match := _CHUNK.match(path.name):
                 spans.append(Span(int(match[1]), int(match[2])))
-        return sorted(spans, key=lambda s: s.start)
+        return sorted(spans, key=lambda s: (s.start, s.end))
 
     def write(self, span: Span, lines: list[str]) -> None:
         self._write(span.file_name(), "".join(lines))
@@ -99,41 +106,75 @@ class ChunkStore:
 
     def complete(self) -> list[Span] | None:
         """The chunks, when they cover every input without a gap; else None."""
-        end = self._read_json(END)
+        total = (self._read_json(END) or {}).get("inputs")
         spans = self.done()
-        if end is None or not _covers(spans, end["inputs"]):
+        if type(total) is not int or not _covers(spans, total):  # bool and float are not counts
             return None
         return spans
 
     def merge(self, spans: list[Span]) -> None:
         """The chunks concatenated into the final file, then the folder removed. Two shards
         finishing at once both write the same bytes; the second finds the folder gone."""
-        tmp = epath.Path(f"{self.final_path}.tmp-{os.getpid()}")
         try:
-            with tmp.open("w") as out:
+            with atomic_files.atomic_file(self.final_path, setting=OUTPUT_SETTING) as out:
                 for span in spans:
                     out.write((self.folder / span.file_name()).read_text())
         except FileNotFoundError:
-            tmp.unlink(missing_ok=True)
             if not epath.Path(self.final_path).exists():
                 raise
             return
-        tmp.replace(self.final_path)
         self.folder.rmtree(missing_ok=True)
 
     def _write(self, name: str, text: str) -> None:
-        tmp = self.folder / f".{name}.tmp-{os.getpid()}"
-        tmp.write_text(text)
-        tmp.replace(self.folder / name)
+        atomic_files.write_atomically(self.folder / name, text, setting=OUTPUT_SETTING)
 
     def _read_json(self, name: str) -> dict | None:
-        path = self.folder / name
-        try:
-            return json.loads(path.read_text())
-        except FileNotFoundError:
+        """The JSON object in `name`; None when there is none, and a dict no run writes when
+        it is damaged (some other run's, or cut: a fresh start). A file that cannot be read at
+        all is refused in one line, and nothing is removed."""
+        path = str(self.folder / name)
+        if not remote.answered(epath.Path(path).exists, path=path, setting=OUTPUT_SETTING):
             return None
-        except ValueError:
-            return {"unreadable": name}  # a damaged manifest is some other run's: start afresh
+        data = user_files.read_bytes(path, what="infer chunks", max_bytes=_MAX_JSON_BYTES)
+        try:
+            value = json.loads(data.decode("utf-8"))
+        except (ValueError, RecursionError):  # not UTF-8 or not JSON
+            value = None
+        return value if isinstance(value, dict) else {"unreadable": name}
+
+    def _sound(self, spans: list[Span], *, writer: bool) -> list[Span]:
+        """The chunks whose files hold one complete line of text per input, in order; a damaged
+        one (cut, overlapping another, not text) is left out, and the writer removes it, saying
+        so in one line, so that its inputs are decoded again instead of merged damaged."""
+        sound, position = [], 0
+        for span in spans:
+            problem = self._problem(span, after=position)
+            if problem is None:
+                sound.append(span)
+                position = span.end
+            elif writer:
+                print(
+                    f"t5tpu: {self.folder / span.file_name()} {problem}; decoding again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                (self.folder / span.file_name()).unlink(missing_ok=True)
+        return sound
+
+    def _problem(self, span: Span, *, after: int) -> str | None:
+        if span.end <= span.start:
+            return "names no inputs"
+        if span.start < after:
+            return "overlaps another chunk"
+        path = str(self.folder / span.file_name())
+        data = user_files.read_bytes(path, what="infer chunks")
+        if data.count(b"\n") != span.end - span.start or not data.endswith(b"\n"):
+            return f"does not hold {span.end - span.start} complete lines"
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            return "is not UTF-8 text"
+        return "holds a NUL byte" if "\0" in text else None
 
 
 def _covers(spans: list[Span], total: int) -> bool:

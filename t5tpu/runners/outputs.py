@@ -17,6 +17,7 @@ from etils import epath
 
 from t5tpu.config import gin_setup
 from t5tpu.errors import UserError
+from t5tpu.storage import model_dir as paths
 from t5tpu.storage import remote
 
 _PROBE = ".t5tpu-write-check"
@@ -48,10 +49,13 @@ def checked_output_dir(model_dir: str, output_dir: str | None, setting: str) -> 
     return folder
 
 
+# The setting that moves each run's config (and results) elsewhere, named when the folder
+# cannot be written.
+_CONFIG_SETTINGS = {paths.EVAL_CONFIG: "EVAL_OUTPUT_DIR", paths.INFER_CONFIG: "INFER_OUTPUT_DIR"}
+
+
 def write_config(path: str) -> None:
     """The operative gin config to `path` (process 0 only), atomically: a reader sees the old
     config or the new one, never half of one."""
-    if jax.process_index() != 0:
-        return
-    tmp = gin_setup.write_operative_config(f"{path}.tmp")
-    epath.Path(tmp).replace(path)
+    setting = _CONFIG_SETTINGS.get(os.path.basename(path), "MODEL_DIR")
+    gin_setup.write_operative_config(path, setting=setting)

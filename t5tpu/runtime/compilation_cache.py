@@ -7,9 +7,10 @@ and a gs:// MODEL_DIR would make every lookup a network round trip.
 
 T5TPU_COMPILATION_CACHE names another directory, or turns the cache off ('off'). JAX's own
 JAX_COMPILATION_CACHE_DIR (or a cache directory already set in jax.config) wins, with JAX's own
-settings left as they are. A cache directory that cannot be written never fails a run: it is
-skipped with one warning. At every start the cache is trimmed to MAX_BYTES, least recently
-used programs first.
+settings left as they are. A cache directory that cannot be written (read-only, a file in its
+place, a disk with less than MIN_FREE_BYTES free) never fails a run: it is skipped with one
+warning. At every start the cache is trimmed to MAX_BYTES, least recently used programs first,
+and entries left empty by a disk that filled up are removed.
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ ENV = "T5TPU_COMPILATION_CACHE"
 # models' programs on TPU (sizes seen on CPU: docs/PERFORMANCE.md).
 MAX_BYTES = 2 * 2**30
 _OFF = frozenset({"off", "none", "0", "false", "no"})
+# JAX writes an entry in place and never replaces one that exists: on a disk that fills up it
+# leaves an empty or cut entry behind, then a warning for each program, so a nearly full disk
+# is skipped up front. A tiny model's programs are kilobytes, a large one's tens of megabytes.
+MIN_FREE_BYTES = 64 << 20
 
 
 def default_directory() -> str:
@@ -49,8 +54,12 @@ def _unwritable(path: str) -> str | None:
         os.makedirs(path, exist_ok=True)
         with tempfile.TemporaryFile(dir=path):
             pass
+        stat = os.statvfs(path)
     except OSError as e:
         return e.strerror or type(e).__name__
+    free = stat.f_bavail * stat.f_frsize
+    if free < MIN_FREE_BYTES:
+        return f"{free / 2**20:.1f} MiB free, less than {MIN_FREE_BYTES >> 20} MiB"
     return None
 
 
@@ -90,7 +99,8 @@ def trim(path: str, max_bytes: int | None = None) -> int:
     (MAX_BYTES by default); returns how many went. A listing and a stat per program, cheap
     enough for every start. Not JAX's own size limit (jax_compilation_cache_max_size): that
     one keeps a last-use file per program, locks the directory for every lookup, and fails to
-    write new programs beside ones cached without it, as every cache made before would be."""
+    write new programs beside ones cached without it, as every cache made before would be.
+    Empty entries (a write cut short by a full disk, which JAX would never redo) go first."""
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
     if "://" in path:
         return 0
@@ -103,8 +113,9 @@ def trim(path: str, max_bytes: int | None = None) -> int:
                     entries.append((max(stat.st_atime, stat.st_mtime), stat.st_size, entry.path))
     total = sum(size for _, size, _ in entries)
     removed = 0
-    for _, size, file in sorted(entries):
-        if total <= max_bytes:
+    # Empty entries first (key 0), then the least recently used.
+    for _, size, file in sorted(entries, key=lambda e: (e[1] > 0, e[0])):
+        if total <= max_bytes and size:
             break
         with contextlib.suppress(OSError):  # another process's trim took it first
             os.remove(file)

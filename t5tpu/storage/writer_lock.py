@@ -27,6 +27,7 @@ import time
 from etils import epath
 
 from t5tpu.errors import UserError
+from t5tpu.storage import atomic_files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,15 +79,17 @@ class WriterLock:
         self.release()
 
     def acquire(self) -> None:
-        if self._try_create():
-            return
-        current = self._read_holder()
-        if current is not None and not current.is_dead():
-            raise UserError(
-                f"{self.path.parent} is being trained by {current.describe()}; wait for it, "
-                f"stop it, or use another MODEL_DIR (if that run is gone, delete {self.path})"
-            )
-        self._take_over(current)
+        # A full disk, or a folder where the lock file goes: atomic_files' one-line errors.
+        with atomic_files.write_faults(str(self.path), "MODEL_DIR"):
+            if self._try_create():
+                return
+            current = self._read_holder()
+            if current is not None and not current.is_dead():
+                raise UserError(
+                    f"{self.path.parent} is being trained by {current.describe()}; wait for it, "
+                    f"stop it, or use another MODEL_DIR (if that run is gone, delete {self.path})"
+                )
+            self._take_over(current)
 
     def release(self) -> None:
         if self._held and self._read_holder() == self.holder:
@@ -116,8 +119,8 @@ class WriterLock:
         """Creates the lock with its content in one step: a hard link of a written temporary
         file fails if the lock exists, so no reader ever sees an empty lock file."""
         tmp = self.path.with_name(f"{self.path.name}.{self.holder.pid}.tmp")
-        tmp.write_text(text)
         try:
+            tmp.write_text(text)  # on a full disk, an empty file that goes in `finally`
             os.link(tmp, self.path)
             return True
         except FileExistsError:
