@@ -17,8 +17,10 @@ import os
 import re
 from collections.abc import Iterable, Iterator
 
+from etils import epath
+
 from t5tpu.errors import UserError
-from t5tpu.storage import atomic_files
+from t5tpu.storage import atomic_files, remote, user_files
 
 FIELDS = ("id", "qid1", "qid2", "question1", "question2", "is_duplicate")
 SPLITS = ("train", "validation")
@@ -340,10 +342,15 @@ class _RecordWriter:
 def _check_paths(input_path: str, output_dir: str, overwrite: bool) -> None:
     import tensorflow as tf
 
-    if not tf.io.gfile.exists(input_path):
+    # Through the storage layer first: a gs:// object or bucket that is missing, or storage that
+    # does not answer, is one line here instead of TensorFlow's retries.
+    remote.check_storage(output_dir, "--output_dir")
+    if not remote.is_file(input_path, "--input"):
+        if remote.answered(
+            lambda: epath.Path(input_path).is_dir(), path=input_path, setting="--input"
+        ):
+            raise UserError(f"--input={input_path} is a directory; pass the pairs file in it")
         raise UserError(f"input file not found: {input_path}; pass --input=PATH (local or gs://)")
-    if tf.io.gfile.isdir(input_path):
-        raise UserError(f"--input={input_path} is a directory; pass the pairs file in it")
     if tf.io.gfile.exists(output_dir) and not tf.io.gfile.isdir(output_dir):
         raise UserError(f"--output_dir={output_dir} is a file; pass a directory")
     existing = [
@@ -387,9 +394,7 @@ def prepare(
 
 
 def _convert(input_path: str, staged: _StagedOutput, quoting: str) -> PrepareStats:
-    import tensorflow as tf
-
-    with tf.io.gfile.GFile(input_path, "rb") as file:
+    with user_files.open_binary(input_path, what="--input") as file:
         lines = _DecodedLines(file, name=input_path)
         line_iter = iter(lines)
         header = next(line_iter, "")
