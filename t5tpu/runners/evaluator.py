@@ -83,6 +83,7 @@ class TaskEvaluator:
         `model_dir`."""
         self.batch_size = batch_size
         self.metrics_file = paths.eval_metrics(output_dir or model_dir, split)
+        recorded_metrics(self.metrics_file)  # a damaged file is refused before any work
         self.summaries_dir = paths.eval_summaries(output_dir or model_dir, split)
         self._writer = None
         target_length = pipeline.model_lengths(task_feature_lengths)[1]
