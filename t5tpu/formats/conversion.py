@@ -15,9 +15,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import shutil
 import tempfile
+from collections.abc import Iterator
 
 import gin
 import jax
@@ -27,7 +30,7 @@ from etils import epath
 from t5tpu import package_files
 from t5tpu.config import gin_setup
 from t5tpu.data import vocab
-from t5tpu.errors import UserError
+from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
     hf_format,
     hf_tokenizer,
@@ -39,7 +42,7 @@ from t5tpu.formats import (
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
-from t5tpu.storage import checkpoints, remote
+from t5tpu.storage import atomic_files, checkpoints, remote, save_guards, user_files
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
 # The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
@@ -84,6 +87,17 @@ def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
     """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory); `setting`
     names the path in errors."""
     remote.check_storage(path, setting)
+    # Every question below is one for storage: answered within the storage answer time, and
+    # a file that cannot be read (permissions) is one line.
+    try:
+        return remote.answered(lambda: _detected_format(path), path=path, setting=setting)
+    except OSError as e:
+        raise UserError(
+            f"{setting}={path} cannot be read ({e.strerror or e}); check its permissions"
+        ) from None
+
+
+def _detected_format(path: str) -> str:
     if not epath.Path(path).exists() and not epath.Path(f"{path}.index").exists():  # Mesh TF
         raise UserError(f"checkpoint {path} does not exist")
     if _t5tpu_step_dir(path):
@@ -114,6 +128,9 @@ def load_pretrained(path: str, abstract_params, shardings=None):
     source = detect_format(path)
     if source == "t5tpu":
         model_dir, step = _t5tpu_step_dir(path)
+        # A damaged one is refused in one line before orbax starts: a restore that fails
+        # part-way leaves its worker threads printing tracebacks.
+        checkpoints.check_readable(model_dir, step)
         return checkpoints.restore_params(
             checkpoints.manager(model_dir, read_only=True),
             step,
@@ -183,6 +200,11 @@ def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
         raise UserError(f"--output_dir={output_dir} contains --input; choose another directory")
     remote.check_storage(output_dir, "--output_dir")
     output = epath.Path(output_dir)
+    if output.exists() and not output.is_dir():
+        raise UserError(
+            f"--output_dir={output_dir} is a file where a folder should be; move it away or "
+            "choose another directory"
+        )
     if output.exists() and any(output.iterdir()) and not overwrite:
         raise UserError(
             f"--output_dir={output_dir} already exists and is not empty; pass --overwrite to "
@@ -198,12 +220,64 @@ def _replace_output(output_dir: str) -> None:
     output.mkdir(parents=True, exist_ok=True)
 
 
+# What `t5tpu convert` names when its output cannot be written.
+_SETTING = "--output_dir"
+
+
+@contextlib.contextmanager
+def _written_output(output_dir: str) -> Iterator[str]:
+    """The folder to write the new output into: a staging folder inside `output_dir` (so on
+    its file system, whatever is mounted where), whose entries replace the folder's own
+    (--overwrite) only once the block completes. On a failure the staging folder goes, and
+    `output_dir` too if this run made it: what was there is as it was, and the same command
+    can be rerun. On gs://, where a rename is a copy, the output is written in place."""
+    if "://" in output_dir:
+        _replace_output(output_dir)
+        yield output_dir
+        return
+    made = not os.path.exists(output_dir)
+    staging = os.path.join(output_dir, f".t5tpu-staging-{os.getpid()}")
+    try:
+        with atomic_files.write_faults(output_dir, _SETTING):
+            os.makedirs(staging, exist_ok=True)
+        try:
+            yield staging
+        except (UserError, EnvironmentFault) as e:  # they name the staging folder
+            raise _renamed(e, staging, output_dir) from None
+        with atomic_files.write_faults(output_dir, _SETTING):
+            for name in os.listdir(output_dir):
+                old = os.path.join(output_dir, name)
+                if old != staging:
+                    _remove(old)
+            for name in os.listdir(staging):
+                os.rename(os.path.join(staging, name), os.path.join(output_dir, name))
+            os.rmdir(staging)
+    except BaseException:
+        shutil.rmtree(output_dir if made else staging, ignore_errors=True)
+        raise
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.remove(path)
+
+
+def _renamed(error: Exception, staging: str, output_dir: str) -> Exception:
+    if isinstance(error, EnvironmentFault):
+        cause = error.cause.replace(staging, output_dir)
+        return EnvironmentFault(error.path.replace(staging, output_dir), cause)
+    return UserError(str(error).replace(staging, output_dir))
+
+
 def save_params(output_dir: str, step: int, params) -> str:
     """Writes output_dir/checkpoint_<step>/params with orbax (parameters only); returns the
-    checkpoint directory."""
+    checkpoint directory. A full disk is save_guards' EnvironmentFault, the partial save gone."""
     mngr = checkpoints.manager(output_dir)
-    mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
-    mngr.wait_until_finished()
+    with save_guards.disk_faults(mngr, step):
+        mngr.save(step, args=ocp.args.Composite(params=ocp.args.StandardSave(params)), force=True)
+        mngr.wait_until_finished()
     mngr.close()
     return checkpoint_dir(output_dir, step)
 
@@ -231,11 +305,10 @@ def to_t5tpu(
     vocabulary = reader.vocabulary()
 
     output_dir = _absolute(output_dir)
-    _replace_output(output_dir)
-    checkpoint = save_params(output_dir, step, params)
-    if vocabulary.model_file:  # model.gin names the copy, which moves with the checkpoint
+    checkpoint = checkpoint_dir(output_dir, step)
+    model_file = vocabulary.model_file and epath.Path(vocabulary.model_file).read_bytes()
+    if model_file:  # model.gin names the copy, which moves with the checkpoint
         copied = os.path.join(output_dir, hf_tokenizer.VOCABULARY_FILE)
-        epath.Path(vocabulary.model_file).copy(copied, overwrite=True)
         vocabulary = dataclasses.replace(vocabulary, model_file=copied)
     assumed = "" if source == "hf" else _assumptions(config)
     text = model_gin(
@@ -246,7 +319,12 @@ def to_t5tpu(
         assumed=assumed,
     )
     gin_path = os.path.join(output_dir, MODEL_GIN)
-    epath.Path(gin_path).write_text(text)
+    with _written_output(output_dir) as folder:
+        save_params(folder, step, params)
+        if model_file:
+            copy = os.path.join(folder, hf_tokenizer.VOCABULARY_FILE)
+            atomic_files.write_atomically(copy, model_file, setting=_SETTING)
+        atomic_files.write_atomically(os.path.join(folder, MODEL_GIN), text, setting=_SETTING)
     print(
         f"wrote {checkpoint} ({_count(params):,} parameters) and {gin_path}; fine-tune with: "
         f"t5tpu train --gin_file=EXPERIMENT.gin --gin_file={gin_path}",
@@ -335,7 +413,7 @@ def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:
     for index, path in enumerate(gin_files):
         if "://" in path:
             local = os.path.join(staging, f"{index}_{os.path.basename(path)}")
-            epath.Path(local).write_bytes(epath.Path(path).read_bytes())
+            epath.Path(local).write_bytes(user_files.read_bytes(path, what="--gin_file"))
             path = local
         readable.append(path)
     return readable
@@ -366,10 +444,10 @@ def to_hf(
         config, vocabulary = model_from_gin(readable, shapes)
     abstract = param_mapping.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
-    _replace_output(output_dir)
-    hf_format.export(
-        jax.device_get(params), config, output_dir, vocabulary_source.of_vocabulary(vocabulary)
-    )
+    with _written_output(output_dir) as folder:
+        hf_format.export(
+            jax.device_get(params), config, folder, vocabulary_source.of_vocabulary(vocabulary)
+        )
     print(
         f"wrote {output_dir} from {checkpoint_dir(run_dir, step)} "
         f"({_count(params):,} parameters); load it with "

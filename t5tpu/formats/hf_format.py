@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import json
+import math
 import os
 import struct
 
@@ -27,10 +28,11 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from t5tpu.errors import UserError
+from t5tpu.errors import UserError, one_line_message
 from t5tpu.formats import hf_tokenizer, param_mapping
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
+from t5tpu.storage import atomic_files, remote, user_files
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -39,6 +41,14 @@ TORCH_FILE = "pytorch_model.bin"
 INDEX_SUFFIX = ".index.json"
 LAYER_NORM_EPSILON = 1e-6  # t5tpu's RMSNorm epsilon, as in every published T5
 
+# Bytes per element of every dtype safetensors defines: each header entry is checked against
+# the file with them; only the float ones below are read.
+_SAFETENSORS_ITEMSIZES = {
+    **dict.fromkeys(("BOOL", "U8", "I8", "F8_E5M2", "F8_E4M3"), 1),
+    **dict.fromkeys(("I16", "U16", "F16", "BF16"), 2),
+    **dict.fromkeys(("I32", "U32", "F32"), 4),
+    **dict.fromkeys(("I64", "U64", "F64"), 8),
+}
 _SAFETENSORS_DTYPES = {
     "F64": np.dtype("<f8"),
     "F32": np.dtype("<f4"),
@@ -53,6 +63,13 @@ _ALWAYS_IGNORED = (
     "decoder.block.0.layer.1.EncDecAttention.relative_attention_bias.weight",
 )
 _EMBEDDING = "token_embedder/embedding"
+# How errors name the files read here.
+_CONFIG_WHAT = "Hugging Face checkpoint"
+_WEIGHTS_WHAT = "safetensors file"
+# config.json and the index files are a few kilobytes; safetensors' own reader refuses headers
+# beyond 100 MB, which no T5's few hundred tensors come near.
+_MAX_JSON_BYTES = 64 * 2**20
+_MAX_HEADER_BYTES = 100_000_000
 
 # ---------------------------------------------------------------------------------------------
 # config.json <-> T5Config
@@ -84,28 +101,41 @@ def _activations(feed_forward_proj: str) -> tuple[str, ...]:
 
 
 def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> T5Config:
-    """The T5Config of a Hugging Face T5 config.json (as a dict)."""
-    if hf.get("model_type", "t5") not in ("t5", "mt5"):
-        raise UserError(f"{source} is a {hf.get('model_type')!r} model; t5tpu imports t5 and mt5")
-    epsilon = hf.get("layer_norm_epsilon", LAYER_NORM_EPSILON)
-    if not np.isclose(epsilon, LAYER_NORM_EPSILON, rtol=1e-6, atol=0):
-        raise UserError(f"{source} has layer_norm_epsilon={epsilon}; t5tpu uses 1e-6 as T5 does")
+    """The T5Config of a Hugging Face T5 config.json (as a dict); wrong types and sizes that
+    are not positive integers are refused in one line naming `source`."""
     required = ("vocab_size", "d_model", "num_heads", "d_kv", "d_ff", "num_layers")
-    missing = [key for key in required if key not in hf]
+    missing = [key for key in required if hf.get(key) is None]
     if missing:
         raise UserError(f"{source} lacks {', '.join(missing)}; is it a T5 config.json?")
+
+    def get(key: str, expect, default=None):
+        # null counts as absent, as transformers reads it
+        if hf.get(key) is None:
+            return default
+        value = user_files.field(hf, key, expect, path=source, what=_CONFIG_WHAT)
+        if expect is int and value < 1:
+            raise UserError(f"{source} has {key}={value}; a T5 config.json's sizes are positive")
+        return value
+
+    model_type = get("model_type", str, "t5")
+    if model_type not in ("t5", "mt5"):
+        raise UserError(f"{source} is a {model_type!r} model; t5tpu imports t5 and mt5")
+    epsilon = get("layer_norm_epsilon", (int, float), LAYER_NORM_EPSILON)
+    if not np.isclose(epsilon, LAYER_NORM_EPSILON, rtol=1e-6, atol=0):
+        raise UserError(f"{source} has layer_norm_epsilon={epsilon}; t5tpu uses 1e-6 as T5 does")
+    sizes = {key: get(key, int) for key in required}
     return T5Config(
-        vocab_size=hf["vocab_size"],
-        emb_dim=hf["d_model"],
-        num_heads=hf["num_heads"],
-        head_dim=hf["d_kv"],
-        mlp_dim=hf["d_ff"],
-        num_encoder_layers=hf["num_layers"],
-        num_decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
-        mlp_activations=_activations(hf.get("feed_forward_proj", "relu")),
-        logits_via_embedding=hf.get("tie_word_embeddings", True),
-        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
+        vocab_size=sizes["vocab_size"],
+        emb_dim=sizes["d_model"],
+        num_heads=sizes["num_heads"],
+        head_dim=sizes["d_kv"],
+        mlp_dim=sizes["d_ff"],
+        num_encoder_layers=sizes["num_layers"],
+        num_decoder_layers=get("num_decoder_layers", int, sizes["num_layers"]),
+        mlp_activations=_activations(get("feed_forward_proj", str, "relu")),
+        logits_via_embedding=get("tie_word_embeddings", bool, True),
+        relative_attention_num_buckets=get("relative_attention_num_buckets", int, 32),
+        relative_attention_max_distance=get("relative_attention_max_distance", int, 128),
     )
 
 
@@ -144,7 +174,7 @@ def hf_config(config: T5Config) -> dict:
 
 
 def _read_json(path: str) -> dict:
-    return json.loads(epath.Path(path).read_text())
+    return user_files.read_json(path, what=_CONFIG_WHAT, max_bytes=_MAX_JSON_BYTES)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,35 +208,86 @@ def to_hf(name: str, array) -> np.ndarray:
 
 
 class SafetensorsFile:
-    """Reads one .safetensors file tensor by tensor (local or gs://)."""
+    """Reads one .safetensors file tensor by tensor (local or gs://). The header is checked
+    against the file before anything it declares is read: its length against the file's size,
+    and each tensor's dtype, shape and data_offsets against each other and the data's size."""
 
     def __init__(self, path: str):
         self.path = path
-        self._file = epath.Path(path).open("rb")
-        (header_size,) = struct.unpack("<Q", self._file.read(8))
-        try:
-            header = json.loads(self._file.read(header_size))
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise UserError(f"{path} is not a safetensors file (unreadable header)") from None
-        header.pop("__metadata__", None)
-        self.entries = header
+        size = user_files.size(path, what=_WEIGHTS_WHAT)
+        if size < 8:
+            raise UserError(f"{_WEIGHTS_WHAT}: {path} is {size} bytes, too short for its header")
+        (header_size,) = struct.unpack("<Q", user_files.read_range(path, 0, 8, what=_WEIGHTS_WHAT))
+        available = min(size - 8, _MAX_HEADER_BYTES)
+        user_files.check_length(header_size, available=available, path=path, what=_WEIGHTS_WHAT)
+        header = self._header(user_files.read_range(path, 8, header_size, what=_WEIGHTS_WHAT))
         self._data_start = 8 + header_size
+        data_size = size - self._data_start
+        self.entries = {name: self._entry(name, entry, data_size) for name, entry in header.items()}
+        self._file = None
+
+    def _header(self, raw: bytes) -> dict:
+        try:
+            header = json.loads(raw.decode("utf-8"))
+        except ValueError:  # UnicodeDecodeError included
+            header = None
+        if not isinstance(header, dict):
+            raise UserError(
+                f"{_WEIGHTS_WHAT}: {self.path} is not a safetensors file (its header is not a "
+                "JSON object); give an undamaged copy"
+            )
+        header.pop("__metadata__", None)
+        return header
+
+    def _entry(self, name: str, entry, data_size: int) -> tuple[str, tuple[int, ...], int, int]:
+        """(dtype, shape, begin, end) of tensor `name`, consistent with the file."""
+        where = f"{self.path} (tensor {name!r})"
+
+        def damaged(what: str):
+            return UserError(f"{_WEIGHTS_WHAT}: {where} {what}; give an undamaged copy")
+
+        if not isinstance(entry, dict):
+            raise damaged(f"is a JSON {type(entry).__name__}, not an object")
+        dtype = user_files.field(entry, "dtype", str, path=where, what=_WEIGHTS_WHAT)
+        shape = user_files.field(entry, "shape", list, path=where, what=_WEIGHTS_WHAT)
+        offsets = user_files.field(entry, "data_offsets", list, path=where, what=_WEIGHTS_WHAT)
+        if dtype not in _SAFETENSORS_ITEMSIZES:
+            raise damaged(f"has dtype {dtype!r}, which is not a safetensors dtype")
+        if not all(_is_count(d) for d in shape):
+            raise damaged(f"has shape {shape}, not a list of sizes")
+        if len(offsets) != 2 or not all(_is_count(o) for o in offsets) or offsets[0] > offsets[1]:
+            raise damaged(f"has data_offsets {offsets}, not [begin, end]")
+        begin, end = offsets
+        user_files.check_length(end, available=data_size, path=where, what=_WEIGHTS_WHAT)
+        if end - begin != math.prod(shape) * _SAFETENSORS_ITEMSIZES[dtype]:
+            raise damaged(f"holds {end - begin:,} bytes, not those of a {dtype} {shape}")
+        return dtype, tuple(shape), begin, end
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: tuple(entry["shape"]) for name, entry in self.entries.items()}
+        return {name: entry[1] for name, entry in self.entries.items()}
 
     def read(self, name: str) -> np.ndarray:
-        entry = self.entries[name]
-        if entry["dtype"] not in _SAFETENSORS_DTYPES:
-            raise UserError(f"{self.path}: {name} has dtype {entry['dtype']}, not a float type")
-        begin, end = entry["data_offsets"]
+        dtype, shape, begin, end = self.entries[name]
+        if dtype not in _SAFETENSORS_DTYPES:
+            raise UserError(f"{self.path}: {name} has dtype {dtype}, not a float type")
+        if self._file is None:
+            self._file = user_files.open_binary(self.path, what=_WEIGHTS_WHAT)
         self._file.seek(self._data_start + begin)
         data = self._file.read(end - begin)
-        return np.frombuffer(data, _SAFETENSORS_DTYPES[entry["dtype"]]).reshape(entry["shape"])
+        if len(data) != end - begin:  # the file was cut after its header was read
+            raise UserError(f"{_WEIGHTS_WHAT}: {self.path} is cut short in {name}")
+        return np.frombuffer(data, _SAFETENSORS_DTYPES[dtype]).reshape(shape)
 
 
-def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
-    """Writes float32 tensors as one .safetensors file, in the order given."""
+def _is_count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def write_safetensors(
+    path: str, tensors: dict[str, np.ndarray], *, setting: str = "--output_dir"
+) -> None:
+    """Writes float32 tensors as one .safetensors file, in the order given, atomically
+    (storage.atomic_files; `setting` is named when it cannot be written)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     arrays = {name: np.ascontiguousarray(a, dtype="<f4") for name, a in tensors.items()}
     for name, array in arrays.items():
@@ -218,7 +299,7 @@ def write_safetensors(path: str, tensors: dict[str, np.ndarray]) -> None:
         offset += array.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    with epath.Path(path).open("wb") as f:
+    with atomic_files.atomic_file(path, setting=setting, mode="wb") as f:
         f.write(struct.pack("<Q", len(encoded)) + encoded)
         for array in arrays.values():
             f.write(array.tobytes())
@@ -235,8 +316,20 @@ class TorchFile:
                 f"{path} is a PyTorch file and torch is not installed; pip install torch, or "
                 "use a directory with model.safetensors"
             ) from None
-        with epath.Path(path).open("rb") as f:
-            self._tensors = torch.load(f, map_location="cpu", weights_only=True)
+        user_files.size(path, what=_CONFIG_WHAT)  # there, and a file
+        try:
+            with epath.Path(path).open("rb") as f:
+                tensors = torch.load(f, map_location="cpu", weights_only=True)
+        except Exception as e:  # torch raises many unrelated types on damaged bytes
+            raise UserError(
+                f"{_CONFIG_WHAT}: {path} is not a readable PyTorch state dict "
+                f"({one_line_message(e)[:160]}); give an undamaged copy"
+            ) from None
+        if not isinstance(tensors, dict) or not all(
+            isinstance(name, str) and isinstance(t, torch.Tensor) for name, t in tensors.items()
+        ):
+            raise UserError(f"{_CONFIG_WHAT}: {path} is not a state dict of named tensors")
+        self._tensors = tensors
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {name: tuple(t.shape) for name, t in self._tensors.items()}
@@ -245,14 +338,27 @@ class TorchFile:
         return self._tensors[name].float().numpy()
 
 
+def _exists(path: str) -> bool:
+    return remote.answered(epath.Path(path).exists, path=path, setting=_CONFIG_WHAT)
+
+
 def _shard_files(directory: str, base: str) -> list[str]:
     """[base] if the single file exists, else the files its index lists, else []."""
-    if epath.Path(directory, base).exists():
+    if _exists(os.path.join(directory, base)):
         return [base]
     index = os.path.join(directory, base + INDEX_SUFFIX)
-    if epath.Path(index).exists():
-        return sorted(set(_read_json(index)["weight_map"].values()))
-    return []
+    if not _exists(index):
+        return []
+    weight_map = user_files.field(
+        _read_json(index), "weight_map", dict, path=index, what=_CONFIG_WHAT
+    )
+    shards = set(weight_map.values())
+    if not shards or not all(isinstance(s, str) and s and "/" not in s for s in shards):
+        raise UserError(
+            f"{_CONFIG_WHAT}: {index}'s weight_map does not name the files beside it; give an "
+            "undamaged copy"
+        )
+    return sorted(shards)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -274,7 +380,43 @@ class HFCheckpoint(param_mapping.CheckpointReader):
         return epath.Path(path, CONFIG_FILE).exists()
 
     def config(self) -> T5Config:
-        return config_from_hf(self._config_json, os.path.join(self.directory, CONFIG_FILE))
+        """config.json's geometry, once checked against the weight files' shapes: a damaged
+        size or depth would otherwise build (and trace) a model of any size before the
+        weights are compared with it."""
+        config = self._hf_config
+        shapes = self.shapes()
+        model = {
+            _EMBEDDING: (config.vocab_size, config.emb_dim),
+            "encoder/layers_0/attention/query/kernel": (
+                config.emb_dim,
+                config.num_heads,
+                config.head_dim,
+            ),
+            "encoder/relpos_bias/rel_embedding": (
+                config.num_heads,
+                config.relative_attention_num_buckets,
+            ),
+            "encoder/layers_0/mlp/wo/kernel": (config.mlp_dim, config.emb_dim),
+        }
+        found = [self.source(name, shape) for name, shape in model.items()]
+        wrong = [
+            f"{s.name} is {shapes[s.name]}, not {s.shape}"
+            for s in found
+            if s.name in shapes and shapes[s.name] != s.shape
+        ]
+        for stack, layers in (
+            ("encoder", config.num_encoder_layers),
+            ("decoder", config.num_decoder_layers),
+        ):
+            blocks = {n.split(".")[2] for n in shapes if n.startswith(f"{stack}.block.")}
+            if len(blocks) != layers:
+                wrong.append(f"{len(blocks)} {stack} blocks, not {layers}")
+        if wrong:
+            raise UserError(
+                f"{os.path.join(self.directory, CONFIG_FILE)} does not describe the weights "
+                f"beside it ({'; '.join(sorted(wrong)[:4])}); give the config.json saved with them"
+            )
+        return config
 
     def vocabulary(self) -> VocabularySource:
         """spiece.model, ByT5's bytes, or none."""
@@ -290,7 +432,7 @@ class HFCheckpoint(param_mapping.CheckpointReader):
         return param_mapping.Source(NAMES(name), flat[::-1], lambda array: array.T.reshape(shape))
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        tied = self._config_json.get("tie_word_embeddings", True)
+        tied = self._hf_config.logits_via_embedding
         ignored = set(_ALWAYS_IGNORED) | ({"lm_head.weight"} if tied else set())
         return {
             name: opened.shapes()[name]
@@ -302,16 +444,14 @@ class HFCheckpoint(param_mapping.CheckpointReader):
         return self._files[stored_name].read(stored_name)
 
     @functools.cached_property
-    def _config_json(self) -> dict:
+    def _hf_config(self) -> T5Config:
+        """config.json as it is, not yet compared with the weights."""
         path = os.path.join(self.directory, CONFIG_FILE)
-        if not epath.Path(path).exists():
+        if not _exists(path):
             raise UserError(
                 f"no {CONFIG_FILE} in {self.directory}; point at a Hugging Face T5 directory"
             )
-        try:
-            return _read_json(path)
-        except json.JSONDecodeError as e:
-            raise UserError(f"{path} is not valid JSON ({e})") from None
+        return config_from_hf(_read_json(path), path)
 
     @functools.cached_property
     def _files(self) -> dict:
@@ -334,19 +474,24 @@ def export(
     config: T5Config,
     output_dir: str,
     vocabulary: VocabularySource | None = None,
+    *,
+    setting: str = "--output_dir",
 ) -> None:
     """Writes config.json + model.safetensors, generation_config.json and the vocabulary's
     tokenizer files, which transformers' from_pretrained, AutoTokenizer and
     pipeline("text2text-generation") load offline. The tensors are the ones save_pretrained
-    writes: no per-stack copies of the embedding, lm_head only when it is not tied."""
+    writes: no per-stack copies of the embedding, lm_head only when it is not tied. Each file
+    is written atomically; `setting` is named when `output_dir` cannot be written."""
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
     tensors = {NAMES(name): to_hf(name, array) for name, array in flat.items()}
     output = epath.Path(output_dir)
-    output.mkdir(parents=True, exist_ok=True)
-    hf_tokenizer.write_json(output / CONFIG_FILE, hf_config(config))
-    hf_tokenizer.write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG)
-    write_safetensors(os.path.join(output_dir, SAFETENSORS_FILE), dict(sorted(tensors.items())))
-    hf_tokenizer.write(output, vocabulary or VocabularySource())
+    with atomic_files.write_faults(output_dir, setting):
+        output.mkdir(parents=True, exist_ok=True)
+    hf_tokenizer.write_json(output / CONFIG_FILE, hf_config(config), setting=setting)
+    hf_tokenizer.write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG, setting=setting)
+    tensors = dict(sorted(tensors.items()))
+    write_safetensors(os.path.join(output_dir, SAFETENSORS_FILE), tensors, setting=setting)
+    hf_tokenizer.write(output, vocabulary or VocabularySource(), setting=setting)
 
 
 # T5's ids: 0 pads and starts the decoder, 1 ends a sequence, 2 is unknown; every T5 vocabulary

@@ -17,6 +17,7 @@ from etils import epath
 
 from t5tpu.errors import UserError
 from t5tpu.formats.vocabulary_source import BYTES, SENTENCEPIECE, VocabularySource
+from t5tpu.storage import atomic_files, remote, user_files
 
 VOCABULARY_FILE = "spiece.model"
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
@@ -25,36 +26,62 @@ CONFIG_FILE = "config.json"
 BYTE_TOKENIZER = "ByT5Tokenizer"
 # T5Tokenizer's and ByT5Tokenizer's defaults, which the published checkpoints use.
 DEFAULT_EXTRA_IDS = {SENTENCEPIECE: 100, BYTES: 125}
+# More sentinels than any T5 tokenizer has: a damaged count is refused, not carried into model.gin.
+MAX_EXTRA_IDS = 1 << 20
+_WHAT = "Hugging Face tokenizer"
+_MAX_JSON_BYTES = 64 * 2**20
 _SPECIAL_TOKENS = {"pad_token": "<pad>", "eos_token": "</s>", "unk_token": "<unk>"}
 
 
-def _json(path: epath.Path) -> dict:
-    if not path.exists():
+def _json(path: str) -> dict:
+    """The JSON object in `path`, or {} when there is no such file."""
+    if not remote.answered(epath.Path(path).exists, path=path, setting=_WHAT):
         return {}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path} is not valid JSON ({e})") from None
+    return user_files.read_json(path, what=_WHAT, max_bytes=_MAX_JSON_BYTES)
+
+
+def _optional(settings: dict, key: str, expect, path: str):
+    """settings[key], of type `expect`, or None when it is absent or null."""
+    if settings.get(key) is None:
+        return None
+    return user_files.field(settings, key, expect, path=path, what=_WHAT)
+
+
+def _extra_ids(tokenizer: dict, path: str, kind: str) -> int:
+    extra_ids = _optional(tokenizer, "extra_ids", int, path)
+    if extra_ids is None:
+        return DEFAULT_EXTRA_IDS[kind]
+    if not 0 <= extra_ids <= MAX_EXTRA_IDS:
+        raise UserError(
+            f"{_WHAT}: {path} has extra_ids={extra_ids}; a T5 tokenizer has 0 to "
+            f"{MAX_EXTRA_IDS:,} (published ones 100 or 125)"
+        )
+    return extra_ids
 
 
 def read(directory: str) -> VocabularySource:
     """The vocabulary a Hugging Face directory carries (NONE when it has no tokenizer files)."""
-    folder = epath.Path(directory)
-    tokenizer = _json(folder / TOKENIZER_CONFIG_FILE)
+    tokenizer_path = os.path.join(directory, TOKENIZER_CONFIG_FILE)
+    config_path = os.path.join(directory, CONFIG_FILE)
+    tokenizer = _json(tokenizer_path)
     # Published ByT5 directories name their tokenizer in config.json, not always beside it.
-    tokenizer_class = tokenizer.get("tokenizer_class") or _json(folder / CONFIG_FILE).get(
-        "tokenizer_class"
+    tokenizer_class = _optional(tokenizer, "tokenizer_class", str, tokenizer_path) or _optional(
+        _json(config_path), "tokenizer_class", str, config_path
     )
     if tokenizer_class == BYTE_TOKENIZER:
-        return VocabularySource(BYTES, None, tokenizer.get("extra_ids", DEFAULT_EXTRA_IDS[BYTES]))
-    if not (folder / VOCABULARY_FILE).exists():
+        return VocabularySource(BYTES, None, _extra_ids(tokenizer, tokenizer_path, BYTES))
+    model_file = os.path.join(directory, VOCABULARY_FILE)
+    if not remote.answered(epath.Path(model_file).exists, path=model_file, setting=_WHAT):
         return VocabularySource()
-    extra_ids = tokenizer.get("extra_ids", DEFAULT_EXTRA_IDS[SENTENCEPIECE])
-    return VocabularySource(SENTENCEPIECE, os.path.join(directory, VOCABULARY_FILE), extra_ids)
+    if not user_files.size(model_file, what=_WHAT):  # a folder is refused here too
+        raise UserError(f"{_WHAT}: {model_file} is empty; give the SentencePiece model")
+    extra_ids = _extra_ids(tokenizer, tokenizer_path, SENTENCEPIECE)
+    return VocabularySource(SENTENCEPIECE, model_file, extra_ids)
 
 
-def write(output: epath.Path, source: VocabularySource) -> None:
-    """Writes the tokenizer files of `source` into `output` (nothing for NONE)."""
+def write(output: epath.Path, source: VocabularySource, *, setting: str = "--output_dir") -> None:
+    """Writes the tokenizer files of `source` into `output` (nothing for NONE), each atomically
+    (storage.atomic_files; `setting` is named when `output` cannot be written)."""
     if source.kind not in (SENTENCEPIECE, BYTES):
         return
     sentinels = [f"<extra_id_{i}>" for i in range(source.extra_ids)]
@@ -68,11 +95,13 @@ def write(output: epath.Path, source: VocabularySource) -> None:
         **special,
     }
     if source.kind == SENTENCEPIECE:
-        epath.Path(source.model_file).copy(output / VOCABULARY_FILE, overwrite=True)
+        model = epath.Path(source.model_file).read_bytes()  # a few hundred KB to a few MB
+        atomic_files.write_atomically(output / VOCABULARY_FILE, model, setting=setting)
         tokenizer["legacy"] = True  # as the published T5 tokenizers: sentencepiece's own pieces
-    write_json(output / TOKENIZER_CONFIG_FILE, tokenizer)
-    write_json(output / SPECIAL_TOKENS_FILE, special)
+    write_json(output / TOKENIZER_CONFIG_FILE, tokenizer, setting=setting)
+    write_json(output / SPECIAL_TOKENS_FILE, special, setting=setting)
 
 
-def write_json(path: epath.Path, content: dict) -> None:
-    path.write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
+def write_json(path: epath.Path, content: dict, *, setting: str = "--output_dir") -> None:
+    text = json.dumps(content, indent=2, sort_keys=True) + "\n"
+    atomic_files.write_atomically(path, text, setting=setting)

@@ -50,6 +50,9 @@ _T5_SUBLAYERS = {
 }
 _T5_PROJECTIONS = {"query": "q", "key": "k", "value": "v", "out": "o"}
 
+# Sizes (vocabulary, widths) from 2**31 up overflow jax's int32 shapes; no T5 comes near.
+_MAX_SIZE = 2**31
+
 _LAYER_PARAM = re.compile(r"(encoder|decoder)/layers_(\d+)/(\w+)/(\w+)(?:/(\w+))?$")
 
 
@@ -178,7 +181,15 @@ class CheckpointReader(abc.ABC):
         model = model_shapes(abstract_params)
         plan = {name: self.source(name, shape) for name, shape in model.items()}
         expected = {source.name: source.shape for source in plan.values()}
-        differences = geometry_differences(self.shapes(), expected)
+        found = self.shapes()
+        # Names come from the file: a damaged one would break the one-line list below.
+        strange = [name for name in found if not name.isprintable()]
+        if strange:
+            raise UserError(
+                f"{self.description} holds a tensor named {strange[0]!r}, which no T5 "
+                "checkpoint has; is it damaged?"
+            )
+        differences = geometry_differences(found, expected)
         if differences:
             raise UserError(
                 f"{self.description} has another geometry than the model ({differences}); use "
@@ -225,7 +236,14 @@ def config_from_flat_shapes(
             raise UserError(
                 f"checkpoint has no {stored_name(name)}; is it a T5 encoder-decoder checkpoint?"
             )
-        return shapes[stored_name(name)]
+        shape = shapes[stored_name(name)]
+        # Read from the file: a damaged one must not size (and trace) a model of any shape.
+        if len(shape) != 2 or not all(0 < size < _MAX_SIZE for size in shape):
+            raise UserError(
+                f"checkpoint has {stored_name(name)} of shape {tuple(shape)}, not a T5's; "
+                "is it damaged?"
+            )
+        return shape
 
     def count(stack):
         layers = 0
@@ -236,6 +254,11 @@ def config_from_flat_shapes(
     vocab_size, emb_dim = need("token_embedder/embedding")
     num_heads, num_buckets = need("encoder/relpos_bias/rel_embedding")
     joined_kv = need("encoder/layers_0/attention/query/kernel")[1]
+    if joined_kv % num_heads:
+        raise UserError(
+            f"checkpoint has {stored_name('encoder/layers_0/attention/query/kernel')} of "
+            f"{joined_kv} columns for {num_heads} heads; is it damaged?"
+        )
     return T5Config(
         vocab_size=vocab_size,
         emb_dim=emb_dim,

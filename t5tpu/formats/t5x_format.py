@@ -25,11 +25,13 @@ import tensorstore as ts
 from etils import epath
 from flax import serialization
 
-from t5tpu.errors import UserError
+from t5tpu.errors import UserError, one_line_message
 from t5tpu.formats import param_mapping
+from t5tpu.storage import user_files
 
 INDEX_FILE = "checkpoint"
 _TF_STATE_MAGIC = b"model_checkpoint_path"  # a TF checkpoint state file, also named `checkpoint`
+_WHAT = "T5X checkpoint"
 
 
 def checkpoint_dir(path: str) -> str:
@@ -54,8 +56,29 @@ def _flatten(tree, prefix: str = "") -> dict:
     return flat
 
 
+def _shown(value) -> str:
+    """A value read from the index, as one short line for an error message."""
+    if isinstance(value, np.ndarray):
+        return f"an array of {value.dtype} {value.shape}"
+    return " ".join(repr(value).split())[:120]
+
+
+def _is_count(value) -> bool:
+    """A whole number >= 0, as msgpack or flax left it (an int or a 0-d integer array)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer, np.ndarray)):
+        return False
+    return np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iu" and value >= 0
+
+
+def _numeric(dtype: np.dtype) -> bool:
+    """Whether a parameter may be stored in `dtype` (T5X's: floats, bfloat16, uint16 bits)."""
+    return dtype.kind in "fiu" or dtype == ml_dtypes.bfloat16
+
+
 class T5XCheckpoint(param_mapping.CheckpointReader):
-    """The parameters ('target') of one T5X checkpoint directory, read lazily."""
+    """The parameters ('target') of one T5X checkpoint directory, read lazily. The index's
+    structure and each leaf (an array, or a tensorstore spec) are checked before anything is
+    read: a damaged index is one UserError naming it, never a traceback."""
 
     def __init__(self, path: str):
         self.directory = checkpoint_dir(path)
@@ -65,17 +88,33 @@ class T5XCheckpoint(param_mapping.CheckpointReader):
                 f"{self.directory} is not a T5X checkpoint (no msgpack `{INDEX_FILE}` file); "
                 "point at a checkpoint_<step> directory"
             )
-        index = os.path.join(self.directory, INDEX_FILE)
-        with epath.Path(index).open("rb") as f:
-            try:
-                contents = serialization.msgpack_restore(f.read())
-            except Exception as e:  # msgpack raises several unrelated types on bad bytes
-                raise UserError(f"{index} is not a readable T5X msgpack index ({e})") from None
-        state = contents.get("optimizer", {}) if contents.get("version", 0) else contents
-        if not isinstance(state, dict) or "target" not in state:
-            raise UserError(f"{index} has no 'target' parameters; is it a T5X checkpoint?")
-        self._leaves = _flatten(state["target"])
-        self._step = state.get("state", {}).get("step")
+        self._index = os.path.join(self.directory, INDEX_FILE)
+        data = user_files.read_bytes(self._index, what=_WHAT)
+        try:
+            contents = serialization.msgpack_restore(data)
+        except Exception as e:  # msgpack and numpy raise several unrelated types on bad bytes
+            raise UserError(
+                f"{self._index} is not a readable T5X msgpack index "
+                f"({one_line_message(e)[:160]}); give an undamaged copy"
+            ) from None
+        state = self._object(contents, "the index")
+        version = state.get("version", 0)
+        if not isinstance(version, (int, np.integer)):
+            raise self._damaged(f"its version is {_shown(version)}")
+        if version:  # version 0 keeps the optimizer's state dict at the top level
+            state = self._object(state.get("optimizer"), "'optimizer'")
+        if "target" not in state:
+            raise UserError(f"{self._index} has no 'target' parameters; is it a T5X checkpoint?")
+        self._leaves = _flatten(self._object(state["target"], "'target'"))
+        self._step = self._object(state.get("state", {}), "'state'").get("step")
+
+    def _object(self, value, what: str) -> dict:
+        if not isinstance(value, dict):
+            raise self._damaged(f"{what} is a {type(value).__name__}, not a map")
+        return value
+
+    def _damaged(self, what: str) -> UserError:
+        return UserError(f"{_WHAT}: {self._index} is damaged ({what}); give an undamaged copy")
 
     @staticmethod
     def recognizes(path: str) -> bool:
@@ -87,13 +126,29 @@ class T5XCheckpoint(param_mapping.CheckpointReader):
             return not f.read(len(_TF_STATE_MAGIC)).startswith(_TF_STATE_MAGIC)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self._shape(leaf) for name, leaf in self._leaves.items()}
+        return {name: self._shape(name, leaf) for name, leaf in self._leaves.items()}
 
     def read(self, name: str) -> np.ndarray:
         leaf = self._leaves[name]
         if not _is_tensorstore_spec(leaf):
             return np.asarray(leaf)
-        array = ts.open(self._absolute_spec(leaf), open=True, read=True).result().read().result()
+        try:
+            store = ts.open(self._absolute_spec(leaf), open=True, read=True).result()
+            # The array's own metadata may say another shape than the index (whose shape the
+            # model was checked against): read nothing of a size the index did not give.
+            if tuple(store.shape) != self._shape(name, leaf) or not _numeric(
+                store.dtype.numpy_dtype
+            ):
+                raise self._damaged(
+                    f"{name}'s array is a {store.dtype.name} {tuple(store.shape)}, not the "
+                    f"{self._shape(name, leaf)} the index gives"
+                )
+            array = store.read().result()
+        except ValueError as e:  # TensorStore's errors: missing, cut or undecodable data
+            raise UserError(
+                f"{self.description}: {name} cannot be read ({one_line_message(e)[:160]}); "
+                "give an undamaged copy"
+            ) from None
         if array.dtype == np.uint16:  # version 2: bfloat16 written as its bits
             array = array.view(ml_dtypes.bfloat16)
         return array
@@ -101,27 +156,49 @@ class T5XCheckpoint(param_mapping.CheckpointReader):
     @property
     def step(self) -> int:
         if self._step is not None:
-            return int(np.asarray(self._step))
+            if not _is_count(self._step):
+                raise self._damaged(f"its step is {_shown(self._step)}, not a count")
+            return int(self._step)
         match = re.search(r"checkpoint_(\d+)$", self.directory)
         return int(match.group(1)) if match else 0
 
-    def _shape(self, leaf) -> tuple[int, ...]:
-        if not _is_tensorstore_spec(leaf):
+    def _shape(self, name: str, leaf) -> tuple[int, ...]:
+        if isinstance(leaf, (np.ndarray, np.number, int, float)) and not isinstance(leaf, bool):
+            if not _numeric(np.asarray(leaf).dtype):
+                raise self._damaged(f"{name!r} is an array of {np.asarray(leaf).dtype}")
             return tuple(np.shape(leaf))
-        if "shape" in leaf.get("metadata", {}):
-            return tuple(leaf["metadata"]["shape"])
-        return tuple(ts.open(self._absolute_spec(leaf), open=True).result().shape)
+        if not _is_tensorstore_spec(leaf):
+            raise self._damaged(f"{name!r} is a {type(leaf).__name__}, not an array")
+        metadata = leaf.get("metadata", {})
+        if isinstance(metadata, dict) and "shape" in metadata:
+            shape = metadata["shape"]
+            if isinstance(shape, np.ndarray) and shape.ndim == 1:
+                shape = shape.tolist()
+            if not isinstance(shape, (list, tuple)) or not all(
+                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+            ):
+                raise self._damaged(f"{name!r} has shape {_shown(shape)}")
+            return tuple(shape)
+        try:
+            return tuple(ts.open(self._absolute_spec(leaf), open=True).result().shape)
+        except ValueError as e:
+            raise UserError(
+                f"{self.description}: {name!r} cannot be opened ({one_line_message(e)[:160]}); "
+                "give an undamaged copy"
+            ) from None
 
     def _absolute_spec(self, spec: dict) -> dict:
         """A spec for the array's zarr directory under this checkpoint's actual location (the
         stored one names a relative path and, on GCS, a placeholder bucket)."""
-        relative = spec["kvstore"].get("path") or spec.get("path")
-        if not relative:
-            raise UserError(f"{self.directory}: a tensorstore spec without a path: {spec}")
+        kvstore = spec["kvstore"] if isinstance(spec["kvstore"], dict) else {}
+        relative = kvstore.get("path") or spec.get("path")
+        driver = spec.get("driver", "zarr")
+        if not isinstance(relative, str) or not relative or not isinstance(driver, str):
+            raise self._damaged(f"a tensorstore spec without a path: {_shown(spec)}")
         gcs = re.fullmatch(r"gs://([^/]+)/(.*)", self.directory)
         if gcs:
             bucket, directory = gcs.groups()
             kvstore = {"driver": "gcs", "bucket": bucket, "path": f"{directory}/{relative}"}
         else:
             kvstore = {"driver": "file", "path": os.path.join(self.directory, relative)}
-        return {"driver": spec.get("driver", "zarr"), "kvstore": kvstore}
+        return {"driver": driver, "kvstore": kvstore}

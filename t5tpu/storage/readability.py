@@ -2,11 +2,13 @@
 
 Two kinds of damage, both found without reading the arrays themselves:
 - incomplete: a file restore needs is missing (a partial copy), seen from the file names alone;
-- unreadable: every file is there but one cannot be read back — item metadata that is not JSON,
-  array data cut short or lost. orbax finds these only part-way through a restore, with a
-  TensorStore traceback from a worker thread; here the OCDBT database of each item is opened,
-  its keys listed and the last byte of every value read, which costs one small read per array
-  chunk (not the arrays), so a truncated or missing data file is found without reading the data.
+- unreadable: every file is there but one cannot be read back — metadata that is not JSON or
+  not of orbax's structure, a tree naming arrays the data lacks, array data cut short or lost.
+  orbax finds these only part-way through a restore, with a traceback (from a worker thread,
+  for TensorStore's); here the OCDBT database of each item is opened, its keys listed and the
+  last byte of every value read, which costs one small read per array chunk (not the arrays),
+  so a truncated or missing data file is found without reading the data; the metadata is then
+  read by orbax's own readers, once what they read is known to be there.
 
 'latest' (train resume, eval, infer) then falls back to the newest readable checkpoint with one
 warning line per damaged one; a step named explicitly is refused with a UserError naming it.
@@ -18,6 +20,8 @@ from __future__ import annotations
 import json
 import sys
 
+import jax
+import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
@@ -54,15 +58,33 @@ def short(error: BaseException) -> str:
     return text if len(text) <= _MAX_CAUSE else text[: _MAX_CAUSE - 3] + "..."
 
 
-def _metadata_reason(item_dir: epath.Path, item: str) -> str | None:
-    """orbax reads the item's tree from _METADATA first; an empty or cut file stops it there."""
+def _json_object(path: epath.Path, name: str) -> tuple[dict | None, str | None]:
+    """(the JSON object in `path`, None), or (None, why it is not one); `name` names it."""
     try:
-        text = (item_dir / ITEM_METADATA).read_text()
+        text = path.read_text()
         if not text.strip():
-            return f"{item}/{ITEM_METADATA} is empty"
-        json.loads(text)
-    except (OSError, ValueError) as e:
-        return f"{item}/{ITEM_METADATA}: {short(e)}"
+            return None, f"{name} is empty"
+        value = json.loads(text)
+    except (OSError, ValueError) as e:  # UnicodeDecodeError is a ValueError
+        return None, f"{name}: {short(e)}"
+    if not isinstance(value, dict):
+        return None, f"{name} holds a JSON {type(value).__name__}, not an object"
+    return value, None
+
+
+def _step_metadata_reason(step_dir: epath.Path) -> str | None:
+    """orbax reads _CHECKPOINT_METADATA at every restore: it logs errors over a file that is
+    not JSON and raises on one of another structure. Asked here through orbax's own reader."""
+    _, reason = _json_object(step_dir / CHECKPOINT_METADATA, CHECKPOINT_METADATA)
+    if reason:
+        return reason
+    try:
+        metadata = ocp.metadata.get_step_metadata(step_dir)
+    except Exception as e:  # orbax's validation raises ValueError, TypeError, KeyError, ...
+        return f"{CHECKPOINT_METADATA}: {short(e)}"
+    if not isinstance(metadata.item_handlers, (dict, type(None))):
+        # t5tpu saves items by name: one handler name alone is another kind of checkpoint
+        return f"{CHECKPOINT_METADATA}: item_handlers is not a map of items"
     return None
 
 
@@ -71,19 +93,11 @@ def _kvstore_url(item_dir: epath.Path) -> str:
     return text if "://" in text else f"file://{text}"
 
 
-def _data_reason(item_dir: epath.Path, item: str) -> str | None:
-    """Opens the item's OCDBT database and reads the last byte of every value: a data file that
-    is missing or shorter than the values it holds fails that read."""
-    if not (item_dir / OCDBT_MANIFEST).exists():
-        return None  # not OCDBT (orbax's older per-array layout): left to the restore
-    try:
-        store = ts.KvStore.open({"driver": "ocdbt", "base": _kvstore_url(item_dir)}).result()
-        keys = store.list().result()
-        reads = [store.read(key, byte_range=slice(-1, None)) for key in keys]
-    except ValueError as e:
-        return f"{item}: {short(e)}"
+def _data_reason(store: ts.KvStore, keys: list[bytes], item: str) -> str | None:
+    """Reads the last byte of every value of the item's OCDBT database: a data file that is
+    missing or shorter than the values it holds fails that read."""
     failed, first = 0, None
-    for read in reads:
+    for read in [store.read(key, byte_range=slice(-1, None)) for key in keys]:
         try:
             found = read.result().state == "value"
         except ValueError as e:
@@ -95,13 +109,83 @@ def _data_reason(item_dir: epath.Path, item: str) -> str | None:
     return f"{item}: data of {failed} of {len(keys)} array chunks missing or cut short{cause}"
 
 
+def _entry_array(entry) -> str | None | bool:
+    """The name of the array an entry of _METADATA's tree_metadata stores ('a.b.c'), None for
+    an entry saved without one (optax's empty states), False when the entry is malformed."""
+    if not isinstance(entry, dict):
+        return False
+    keys, value = entry.get("key_metadata"), entry.get("value_metadata")
+    if not isinstance(keys, list) or not keys or not isinstance(value, dict):
+        return False
+    if not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
+        return False
+    if not isinstance(value.get("value_type"), str) or not isinstance(
+        value.get("skip_deserialize", False), bool
+    ):
+        return False
+    return None if value.get("skip_deserialize") else ".".join(k["key"] for k in keys)
+
+
+def _tree_reason(document: dict, keys: list[bytes], name: str) -> str | None:
+    """Whether _METADATA's tree names arrays the database holds: orbax would otherwise fail
+    reading them in its worker threads, which print tracebacks on their way out."""
+    tree, zarr3 = document.get("tree_metadata"), document.get("use_zarr3", False)
+    if not isinstance(tree, dict) or not tree or not isinstance(zarr3, bool):
+        return f"{name} has no tree_metadata of arrays"
+    stored = {key.decode("utf-8", "replace") for key in keys}
+    suffix = "zarr.json" if zarr3 else ".zarray"
+    for entry in tree.values():
+        array = _entry_array(entry)
+        if array is False:
+            return f"{name}: an entry of tree_metadata is malformed"
+        if array is not None and f"{array}/{suffix}" not in stored:
+            return f"{name} names {array[:80]!r}, which the checkpoint's data lacks"
+    return None
+
+
+def _orbax_metadata_reason(item_dir: epath.Path, name: str) -> str | None:
+    """What orbax's own reader of the item's tree finds wrong, asked last (its parser raises
+    many types), once everything it reads is known to be there."""
+    try:
+        metadata = ocp.StandardCheckpointHandler().metadata(item_dir)
+    except Exception as e:
+        return f"{name}: {short(e)}"
+    # Every value t5tpu saves is an array (scalars included); anything else here was damaged.
+    leaves = jax.tree_util.tree_leaves(getattr(metadata, "tree", metadata))
+    if not all(isinstance(leaf, ocp.metadata.ArrayMetadata) for leaf in leaves):
+        return f"{name}: entries that are not arrays"
+    return None
+
+
+def _item_reason(item_dir: epath.Path, item: str) -> str | None:
+    """Why orbax could not read the item at `item_dir`: its _METADATA (orbax reads the tree
+    from it first; an empty, cut or rewritten file stops it there), its OCDBT database (opened,
+    its keys listed and the last byte of every value read), and the two against each other."""
+    name = f"{item}/{ITEM_METADATA}"
+    document, reason = _json_object(item_dir / ITEM_METADATA, name)
+    if reason:
+        return reason
+    if not (item_dir / OCDBT_MANIFEST).exists():
+        return None  # not OCDBT (orbax's older per-array layout): left to the restore
+    try:
+        store = ts.KvStore.open({"driver": "ocdbt", "base": _kvstore_url(item_dir)}).result()
+        keys = store.list().result()
+    except ValueError as e:
+        return f"{item}: {short(e)}"
+    return (
+        _data_reason(store, keys, item)
+        or _tree_reason(document, keys, name)
+        or _orbax_metadata_reason(item_dir, name)
+    )
+
+
 def unreadable_reason(step_dir: epath.Path, items) -> str | None:
     """Why orbax could not read `items` of the checkpoint at `step_dir`, or None if it can."""
-    reason = incomplete_reason(step_dir, items)
+    reason = incomplete_reason(step_dir, items) or _step_metadata_reason(step_dir)
     for item in items:
         if reason:
             break
-        reason = _metadata_reason(step_dir / item, item) or _data_reason(step_dir / item, item)
+        reason = _item_reason(step_dir / item, item)
     return reason
 
 
