@@ -413,3 +413,21 @@ def test_prepare_quora_to_a_full_disk_is_exit_1_and_leaves_nothing(tmp_path):
         assert FULL in line and str(out) in line, line
         assert os.listdir(out) == ["notes.txt"]
     shutil.rmtree(tmp_path / "disk", ignore_errors=True)
+
+
+def test_a_staging_folder_left_by_a_killed_convert_does_not_block_the_rerun(tmp_path):
+    """A convert killed mid-write leaves its staging folder in --output_dir; the same command,
+    without --overwrite, converts and removes it."""
+    output = tmp_path / "converted"
+    (output / ".t5tpu-staging-99999").mkdir(parents=True)
+    (output / ".t5tpu-staging-99999" / "partial").write_bytes(b"\0" * 100)
+    conversion.to_t5tpu(
+        input_path=_hf_dir(1, str(tmp_path)),
+        output_dir=str(output),
+        source="hf",
+        overwrite=False,
+        command="t5tpu convert",
+    )
+    names = sorted(p.name for p in output.iterdir())
+    assert not [n for n in names if n.startswith(".t5tpu-staging-")], names
+    assert any(n.startswith("checkpoint_") for n in names), names

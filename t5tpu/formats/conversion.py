@@ -205,7 +205,11 @@ def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
             f"--output_dir={output_dir} is a file where a folder should be; move it away or "
             "choose another directory"
         )
-    if output.exists() and any(output.iterdir()) and not overwrite:
+    # A staging folder a killed convert left is not output: the next success removes it.
+    held = (
+        [p for p in output.iterdir() if not p.name.startswith(_STAGING)] if output.exists() else []
+    )
+    if held and not overwrite:
         raise UserError(
             f"--output_dir={output_dir} already exists and is not empty; pass --overwrite to "
             "replace it, or choose another directory"
@@ -220,6 +224,8 @@ def _replace_output(output_dir: str) -> None:
     output.mkdir(parents=True, exist_ok=True)
 
 
+# The folder inside --output_dir where a convert writes before moving its files into place.
+_STAGING = ".t5tpu-staging-"
 # What `t5tpu convert` names when its output cannot be written.
 _SETTING = "--output_dir"
 
@@ -236,7 +242,7 @@ def _written_output(output_dir: str) -> Iterator[str]:
         yield output_dir
         return
     made = not os.path.exists(output_dir)
-    staging = os.path.join(output_dir, f".t5tpu-staging-{os.getpid()}")
+    staging = os.path.join(output_dir, f"{_STAGING}{os.getpid()}")
     try:
         with atomic_files.write_faults(output_dir, _SETTING):
             os.makedirs(staging, exist_ok=True)
