@@ -27,7 +27,14 @@ from t5x_checkpoints import write_t5x_checkpoint
 from tiny import tiny_config
 
 from t5tpu.data import vocab
-from t5tpu.formats import conversion, hf_format, hf_tokenizer, mesh_tf_format, param_mapping
+from t5tpu.formats import (
+    conversion,
+    hf_format,
+    hf_tokenizer,
+    mesh_tf_format,
+    param_mapping,
+    tf_bundle_index,
+)
 from t5tpu.runtime.lazy_imports import import_tensorflow_quietly, tf
 from t5tpu.storage import readability
 
@@ -416,7 +423,7 @@ def _bundle_protos():
 tensor_bundle_pb2 = _bundle_protos()
 _write_mesh_tf_checkpoint()
 MESH_INDEX_BYTES = _read(MESH_INDEX)
-MESH_RECORDS = mesh_tf_format.index_records(MESH_INDEX_BYTES)
+MESH_RECORDS = tf_bundle_index.index_records(MESH_INDEX_BYTES)
 
 
 def _varint(n: int) -> bytes:
