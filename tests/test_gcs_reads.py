@@ -63,10 +63,13 @@ def _reset_clients() -> None:
     """Forgets the gcsfs client (it reads STORAGE_EMULATOR_HOST when made) and the buckets
     already found, so the next question goes to the endpoint the environment names now."""
     import gcsfs
-    from etils.epath import backend
+    from etils.epath import backend, gpath
 
     from t5tpu.storage import remote
 
+    # epath decides once per process whether gs:// goes through TensorFlow (EPATH_USE_TF): a
+    # test file run earlier in this worker may already have had it decide.
+    gpath._is_tf_installed.cache_clear()
     type(backend.fsspec_backend)._get_filesystem.cache_clear()
     gcsfs.GCSFileSystem.clear_instance_cache()
     remote._FOUND_BUCKETS.clear()
