@@ -123,7 +123,7 @@ seqio.TaskRegistry.add("records", source=source, preprocessors=[seqio.preprocess
             "validation",
             "no file {folder}/validation.tfrecord",
         ),
-        ("records", "test", "no file matches its file pattern"),
+        ("records", "test", "no file matches {folder}/test-*.tfrecord"),
     ],
 )
 def test_declared_split_without_its_files_is_refused(model_dir, tmp_path, task, split, why):
