@@ -335,8 +335,16 @@ def test_a_disk_that_fills_while_events_are_written_is_one_line(tmp_path):
 
 
 def test_a_nearly_full_cache_disk_is_skipped_with_one_warning(tmp_path, monkeypatch, capsys):
-    if jax.config.jax_compilation_cache_dir:
-        pytest.skip("this process already has a compilation cache")
+    # An earlier test in this worker may have turned a cache on: enable() would keep that one.
+    previous = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        _enable_on_a_nearly_full_disk(tmp_path, monkeypatch, capsys)
+    finally:
+        jax.config.update("jax_compilation_cache_dir", previous)
+
+
+def _enable_on_a_nearly_full_disk(tmp_path, monkeypatch, capsys):
     with fault_mounts.tmpfs(tmp_path / "disk", 1 << 20) as disk:
         cache = os.path.join(disk, "cache")
         monkeypatch.setenv(compilation_cache.ENV, cache)
