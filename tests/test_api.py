@@ -198,11 +198,10 @@ def test_generate_ids_beam_and_sampling_settings(model):
 
 def test_repeated_calls_of_similar_size_reuse_one_compiled_program(model):
     model.predict(["is duplicate: x <SEP> y"])
-    decoder = model._decoder(model.shapes.max_target_length, api.model.decoding.DecodingSettings())
-    compiled = decoder._cache_size()
+    compiled = model.engine.program_count
     for texts in (["is duplicate: a <SEP> b"] * 3, ["is duplicate: what? <SEP> why?"] * 2):
         model.predict(texts)
-    assert decoder._cache_size() == compiled
+    assert model.engine.program_count == compiled
 
 
 def test_a_deleted_model_frees_its_parameters(model_dir):

@@ -31,7 +31,8 @@ import time
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, succeeded, t5tpu
 
-from t5tpu.serve import app, batcher, engine, server
+from t5tpu.model import engine
+from t5tpu.serve import app, batcher, model_worker, server
 from t5tpu.serve.payloads import Decoding
 
 # Inputs of several lengths (so several input buckets), one longer than the tiny experiment's
@@ -436,7 +437,7 @@ class StandInEngine:
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
-        self.batches: list[tuple[engine.Group, list]] = []
+        self.batches: list[tuple[model_worker.Group, list]] = []
         self.words: dict[str, int] = {}
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
 
@@ -451,10 +452,16 @@ class StandInEngine:
     def warm_up(self, *, stopping) -> int:
         return 0
 
-    def run_batch(self, group: engine.Group, rows: list) -> list:
+    def run_group(self, group: model_worker.Group, feed: batcher.GroupFeed) -> None:
+        taken = feed.take(self.batch_sizes[-1])
         self.entered.set()
         self.gate.wait(timeout=60)
+        rows = [row.item for row in taken]
         self.batches.append((group, rows))
+        for row, result in zip(taken, self._results(group, rows), strict=True):
+            feed.answer(row, result)
+
+    def _results(self, group: model_worker.Group, rows: list) -> list:
         names = {i: w for w, i in self.words.items()}
         if group.kind == "score":
             return [-float(len(row.target_ids)) for row in rows]
@@ -673,9 +680,9 @@ def test_the_port_and_routes_come_from_vertex_ai_variables():
 
 
 def test_batch_sizes_and_input_buckets():
-    assert engine.batch_sizes(32, 1) == (1, 2, 4, 8, 16, 32)
-    assert engine.batch_sizes(24, 1) == (1, 2, 4, 8, 16, 24)
-    assert engine.batch_sizes(8, 4) == (4, 8)
+    assert engine.slot_counts(32, 1) == (1, 2, 4, 8, 16, 32)
+    assert engine.slot_counts(24, 1) == (1, 2, 4, 8, 16, 24)
+    assert engine.slot_counts(8, 4) == (4, 8)
     assert engine.input_buckets(96) == (16, 32, 64, 96)
     assert engine.input_buckets(8) == (8,)
 

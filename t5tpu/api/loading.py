@@ -100,6 +100,7 @@ def load(
     batch_size: int = 8,
     max_input_length: int = 512,
     max_target_length: int = 128,
+    dtype: str | None = None,
     partitioner: Partitioner | None = None,
 ) -> T5Model:
     """The model at `path`, ready to call (see T5Model).
@@ -110,6 +111,9 @@ def load(
     batch_size: rows per compiled call; fewer inputs are padded to it, more run in turns.
     max_input_length / max_target_length: inputs are truncated to the first (keeping EOS),
       decoding stops at the second unless a call says otherwise.
+    dtype: 'bfloat16' or 'float32': the activations' dtype and the one parameters are cast
+      to, once, for every call (bf16 inputs with float32 accumulation in every matmul); default:
+      the checkpoint's own (its gin's T5Config.dtype; float32 for an imported checkpoint).
     partitioner: how parameters and batches are laid out; default: every device jax has,
       data-parallel (parameters replicated), as `t5tpu infer` does on one host.
     """
@@ -117,7 +121,10 @@ def load(
         description = _describe(str(path), step, list(gin_files))
         partitioner = partitioner or Partitioner()
         vocabulary = description.vocabulary or _NoVocabulary()
-        model = EncoderDecoderModel(description.config, vocabulary)
+        config = description.config
+        if dtype is not None:
+            config = dataclasses.replace(config, dtype=dtype)
+        model = EncoderDecoderModel(config, vocabulary)
         abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
         params = conversion.load_pretrained(description.checkpoint, abstract, shardings)
     shapes = Shapes.for_devices(

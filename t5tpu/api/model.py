@@ -1,10 +1,11 @@
 """T5Model: a loaded T5 to call from Python — text in and out, ids in and out, scores.
 
-Every call pads its batch to `batch_size` rows and its lengths up to a power of two (at least
-16, at most the limits given to `t5tpu.load`), so calls of similar sizes reuse one compiled
-program. A call compiles at most once per new (kind of call, input length bucket, output length,
-decoding settings); a notebook that keeps calling `predict` with the same settings compiles a
-handful of times, not once per call.
+Every call runs through the engine (t5tpu/model/engine.py) that `t5tpu infer` and `t5tpu serve`
+use: inputs batched by length and padded to a few lengths and row counts, so calls of similar
+sizes reuse one compiled program, and rows that finish early make room for the next. A notebook
+that keeps calling `predict` with the same settings compiles a handful of times, not once per
+call. Parameters are cast once, at load, to the model's activation dtype (`t5tpu.load(...,
+dtype='bfloat16')`).
 
 The model is task-agnostic: asking a Quora- or SQuAD-trained model in its task's own words is
 done by the tasks (`t5tpu.tasks.quora.is_duplicate(model, ...)`, `t5tpu.tasks.squad.answer`).
@@ -17,15 +18,13 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.model.engine import Engine, Request, encode
 from t5tpu.partitioning import Partitioner
-
-_SHORTEST_BUCKET = 16
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,26 +47,11 @@ class Shapes:
         rows = -(-batch_size // data_parallelism) * data_parallelism
         return cls(rows, max_input_length, max_target_length)
 
-    def bucket(self, length: int, limit: int) -> int:
-        """The padded length for `length` tokens: the next power of two, within the limit."""
-        padded = max(_SHORTEST_BUCKET, 1 << max(length - 1, 0).bit_length())
-        return min(padded, limit)
-
 
 def _check_count(name: str, value) -> None:
     """Refuses anything but a whole number >= 1 (True is an int to Python, not a count)."""
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise UserError(f"{name}={value!r} must be a whole number >= 1")
-
-
-def _padded(rows: list[list[int]], length: int, batch_size: int) -> np.ndarray:
-    """[batch_size, length] int32 ids, rows truncated to `length` and zero-padded (0 is T5's
-    padding id, which the network masks out)."""
-    out = np.zeros((batch_size, length), np.int32)
-    for i, ids in enumerate(rows):
-        ids = list(ids)[:length]
-        out[i, : len(ids)] = ids
-    return out
 
 
 def _ids_rows(ids) -> list[list[int]]:
@@ -95,13 +79,23 @@ class T5Model:
         source: str,
     ):
         self.model = model
-        self.params = params
         self.shapes = shapes
         self.source = source
         self._has_vocabulary = has_vocabulary
-        self._partitioner = partitioner
-        self._param_shardings = param_shardings
-        self._programs: dict[tuple, object] = {}
+        self.engine = Engine(
+            network=model,
+            params=params,
+            param_shardings=param_shardings,
+            partitioner=partitioner,
+            batch_size=shapes.batch_size,
+            max_input_length=shapes.max_input_length,
+            max_target_length=shapes.max_target_length,
+        )
+
+    @property
+    def params(self):
+        """The parameters on the devices, in the model's dtype."""
+        return self.engine.params
 
     def __repr__(self) -> str:
         count = sum(x.size for x in jax.tree_util.tree_leaves(self.params))
@@ -134,35 +128,24 @@ class T5Model:
         as a tokenizer writes them. num_beams > 1 is beam search (length penalty 0.6);
         temperature > 0 samples (from the top_k most likely tokens when top_k > 0), seeded.
         """
-        settings = self._settings(max_new_tokens, num_beams, temperature, top_k, seed)
-        rows = _ids_rows(input_ids)
-        return self._generate(rows, range(len(rows)), settings)
+        request = self._settings(max_new_tokens, num_beams, temperature, top_k, seed)
+        return self._generate(_ids_rows(input_ids), request)
 
-    def _settings(self, max_new_tokens, num_beams, temperature, top_k, seed) -> _Settings:
+    def _settings(self, max_new_tokens, num_beams, temperature, top_k, seed) -> Request:
         max_new_tokens = self.shapes.max_target_length if max_new_tokens is None else max_new_tokens
         _check_count("max_length", max_new_tokens)
         settings = decoding.DecodingSettings(
             temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
         )
         settings.check(self.model.config.vocab_size)
-        return _Settings(max_new_tokens, settings)
+        return Request(settings, max_new_tokens)
 
-    def _generate(self, rows: list, indices, settings: _Settings) -> np.ndarray:
-        """Decoded ids of `rows`; `indices` are their places among all the inputs, which seed
-        each row's sampling (decoding.row_keys), so a row samples alike in any batch."""
-        decode = self._decoder(settings.max_length, settings.decoding)
-        indices = list(indices)
-        outputs = []
-        for start in range(0, len(rows), self.shapes.batch_size):
-            chunk = rows[start : start + self.shapes.batch_size]
-            places = np.zeros(self.shapes.batch_size, np.int64)
-            places[: len(chunk)] = indices[start : start + len(chunk)]
-            keys = decoding.row_keys(settings.decoding.seed, places)
-            tokens = self._input_tokens(chunk)
-            outputs.append(np.asarray(decode(self.params, tokens, keys))[: len(chunk)])
-        if not outputs:
-            return np.zeros((0, settings.max_length), np.int32)
-        return np.concatenate(outputs)
+    def _generate(self, rows: list, request: Request, first: int = 0) -> np.ndarray:
+        """Decoded ids of `rows`; row i samples with the key of index first + i among all the
+        inputs (decoding.row_keys), so a row samples alike in any batch."""
+        if not rows:
+            return np.zeros((0, request.max_length), np.int32)
+        return np.stack(self.engine.generate(rows, request, first=first))
 
     def logits(self, input_ids, decoder_input_ids, attention_mask=None) -> np.ndarray:
         """float32 [batch, decoder length, vocab] logits, as transformers' T5 returns them.
@@ -180,19 +163,7 @@ class T5Model:
                 f"input_ids {inputs.shape} and decoder_input_ids {decoder_inputs.shape} must be "
                 "2-D with the same batch size"
             )
-        rows = len(inputs)
-        padded = self.shapes.batch_size * -(-rows // self.shapes.batch_size)
-        pad = ((0, padded - rows), (0, 0))
-        forward = self._forward()
-        out = [
-            np.asarray(forward(self.params, inputs_chunk, decoder_chunk))
-            for inputs_chunk, decoder_chunk in zip(
-                np.split(np.pad(inputs, pad), padded // self.shapes.batch_size),
-                np.split(np.pad(decoder_inputs, pad), padded // self.shapes.batch_size),
-                strict=True,
-            )
-        ]
-        return np.concatenate(out)[:rows]
+        return self.engine.logits(inputs, decoder_inputs)
 
     # --- text in and out ------------------------------------------------------------------
 
@@ -247,21 +218,16 @@ class T5Model:
             identity={
                 "model": self.source,
                 "max_length": chosen.max_length,
-                "settings": dataclasses.asdict(chosen.decoding),
+                "settings": dataclasses.asdict(chosen.settings),
             },
             chunk_size=chunk_size,
         )
 
-    def _predict_texts(self, texts: list[str], *, first: int, settings: _Settings) -> list[str]:
-        """Texts decoded in batches of similar length (fewer, shorter padded shapes); `first` is
-        the place of texts[0] among all the inputs."""
-        encoded = [self._encode(text) for text in texts]
-        order = sorted(range(len(texts)), key=lambda i: len(encoded[i]))
-        ids = self._generate([encoded[i] for i in order], [first + i for i in order], settings)
-        decoded = [""] * len(texts)
-        for i, row in zip(order, ids, strict=True):
-            decoded[i] = self.vocabulary.decode(row.tolist())
-        return decoded
+    def _predict_texts(self, texts: list[str], *, first: int, settings: Request) -> list[str]:
+        """Texts decoded; `first` is the place of texts[0] among all the inputs."""
+        rows = [self._encode(text) for text in texts]
+        ids = self._generate(rows, settings, first=first)
+        return [self.vocabulary.decode(row.tolist()) for row in ids]
 
     def score(self, inputs: list[str], targets: list[str]) -> np.ndarray:
         """float32 log-likelihood of each target given its input, summed over the target's
@@ -271,100 +237,12 @@ class T5Model:
             raise UserError(f"{len(inputs)} inputs but {len(targets)} targets")
         encoded = [self._encode(text) for text in inputs]
         wanted = [self._encode(text, self.shapes.max_target_length) for text in targets]
-        scorer = self._scorer()
-        scores = []
-        for start in range(0, len(encoded), self.shapes.batch_size):
-            rows = slice(start, start + self.shapes.batch_size)
-            chunk = wanted[rows]
-            length = self.shapes.bucket(max(map(len, chunk)), self.shapes.max_target_length)
-            target_ids = _padded(chunk, length, self.shapes.batch_size)
-            decoder_inputs = np.pad(target_ids, ((0, 0), (1, 0)))[:, :-1]  # shifted right
-            input_ids = self._input_tokens(encoded[rows])
-            result = scorer(self.params, input_ids, decoder_inputs, target_ids)
-            scores.append(np.asarray(result)[: len(chunk)])
-        return np.concatenate(scores) if scores else np.zeros((0,), np.float32)
+        return self.engine.score(encoded, wanted)
 
-    # --- batching ---------------------------------------------------------------------------
-
-    def _encode(self, text: str, limit: int | None = None) -> list[int]:
-        """Ids of `text` ending in EOS, truncated to `limit` (default: max_input_length) with EOS
+    def _encode(self, text: str, limit: int | None = None) -> tuple[int, ...]:
+        """Ids of `text` ending in EOS, cut to `limit` (default: max_input_length) with EOS
         kept, as the tasks' preprocessing does."""
-        limit = limit or self.shapes.max_input_length
-        return self.vocabulary.encode(text)[: limit - 1] + [self.vocabulary.eos_id]
-
-    def _chunks(self, rows: list) -> list[list]:
-        size = self.shapes.batch_size
-        return [rows[start : start + size] for start in range(0, len(rows), size)]
-
-    def _input_tokens(self, rows: list[list[int]]) -> np.ndarray:
-        length = self.shapes.bucket(max(map(len, rows)), self.shapes.max_input_length)
-        return _padded(rows, length, self.shapes.batch_size)
-
-    # --- compiled programs, one per shape and settings ---------------------------------------
-
-    def _jit(self, fn, *, batch_args: int, replicated_args: int = 0):
-        batch, replicated = self._partitioner.batch_sharding(), self._partitioner.replicated()
-        return self._partitioner.jit(
-            fn,
-            in_shardings=(
-                self._param_shardings,
-                *[batch] * batch_args,
-                *[replicated] * replicated_args,
-            ),
-            out_shardings=replicated,
-        )
-
-    def _program(self, key: tuple, build):
-        """The compiled program `key`, built on first use and kept on this object: a cache on
-        the class would keep every model, and its parameters, alive until the process ends."""
-        if key not in self._programs:
-            self._programs[key] = build()
-        return self._programs[key]
-
-    # The traced functions close over the network only, never `self` (which holds the
-    # parameters): a program kept by jax's own caches must not keep the model alive.
-
-    def _decoder(self, max_length: int, settings: decoding.DecodingSettings):
-        network = self.model
-
-        def decode(params, tokens, rng):
-            batch = {"encoder_input_tokens": tokens}
-            return network.predict(params, batch, max_length, rng, settings)
-
-        return self._program(
-            ("decode", max_length, settings),
-            lambda: self._jit(decode, batch_args=2),
-        )
-
-    def _forward(self):
-        network = self.model
-
-        def forward(params, inputs, decoder_inputs):
-            batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs}
-            return network.logits(params, batch).astype(jnp.float32)
-
-        return self._program(("forward",), lambda: self._jit(forward, batch_args=2))
-
-    def _scorer(self):
-        network = self.model
-
-        def score(params, inputs, decoder_inputs, targets):
-            batch = {
-                "encoder_input_tokens": inputs,
-                "decoder_input_tokens": decoder_inputs,
-                "decoder_target_tokens": targets,
-            }
-            return network.score(params, batch)
-
-        return self._program(("score",), lambda: self._jit(score, batch_args=3))
-
-
-@dataclasses.dataclass(frozen=True)
-class _Settings:
-    """A call's decoding: the longest output and how each token is picked."""
-
-    max_length: int
-    decoding: decoding.DecodingSettings
+        return encode(self.vocabulary, text, limit or self.shapes.max_input_length).ids
 
 
 _DEFAULTS = {"num_beams": 1, "temperature": 0.0, "top_k": 0, "seed": 0}

@@ -12,17 +12,6 @@ import numpy as np
 from t5tpu.partitioning import host_data_rows
 from t5tpu.runtime.lazy_imports import tf
 
-SHORTEST_BUCKET = 16
-
-
-def bucket_length(length: int, limit: int) -> int:
-    """The padded length for `length` tokens: the next power of two (at least SHORTEST_BUCKET),
-    within `limit`. Batches padded to a few such lengths reuse a few compiled programs instead
-    of paying for the longest input in every batch."""
-    padded = max(SHORTEST_BUCKET, 1 << max(length - 1, 0).bit_length())
-    return min(padded, limit)
-
-
 def examples_in(batch: Mapping[str, np.ndarray]) -> int:
     """Examples in a host batch: one per row, or, when packed, one per segment (a segment starts
     where its decoder position is 0)."""

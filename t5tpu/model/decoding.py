@@ -185,6 +185,105 @@ def decode(
     return jax.lax.while_loop(not_finished, step, start)[3]
 
 
+class Slots(NamedTuple):
+    """Continuous decoding's state: a fixed number of rows ("slots"), each decoding one input at
+    its own position or free. Rows that finish are read out and their slots refilled with new
+    inputs (`insert_rows`) while the others go on (`run_segment`), so a batch never waits for
+    its longest row with its other slots idle."""
+
+    cache: Any  # the decoder's attention caches, one row per slot
+    encoder_tokens: Array  # [slots, input length]: the cross-attention mask reads them
+    token: Array  # [slots] the last token fed
+    position: Array  # [slots] the position each slot decodes next
+    out: Array  # [slots, max_length] tokens so far, zeros after
+    done: Array  # [slots] finished (by EOS or length) or free
+    keys: Array  # [slots, 2] each slot's sampling key (unused when greedy)
+
+
+def empty_slots(module, params, rows: int, input_length: int, max_length: int) -> Slots:
+    """`rows` free slots for inputs padded to `input_length` and outputs of up to `max_length`."""
+    tokens = jnp.zeros((rows, input_length), jnp.int32)
+    shapes = jax.eval_shape(lambda: _encode_and_make_cache(module, params, tokens, max_length)[1])
+    return Slots(
+        cache=jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
+        encoder_tokens=tokens,
+        token=jnp.zeros((rows,), jnp.int32),
+        position=jnp.zeros((rows,), jnp.int32),
+        out=jnp.zeros((rows, max_length), jnp.int32),
+        done=jnp.ones((rows,), jnp.bool_),
+        keys=jnp.zeros((rows, 2), jnp.uint32),
+    )
+
+
+def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys: Array) -> Slots:
+    """Starts decoding `tokens` ([n, input length]) in slots `where` ([n]): their encoder runs
+    and their caches are written over the slots' (an index past the last slot drops its row, so
+    a short group can be padded to a compiled size). keys: [n, 2] the rows' sampling keys."""
+    max_length = slots.out.shape[1]
+    _, fresh = _encode_and_make_cache(module, params, tokens, max_length)
+
+    def put(path, old, new):
+        if _path_names(path)[-1] == "max_length":  # the cache's length marker, no rows
+            return old
+        index = (slice(None),) * _batch_axis(path) + (where,)
+        return old.at[index].set(new, mode="drop")
+
+    def rows(old, new):
+        return old.at[where].set(new, mode="drop")
+
+    zeros = jnp.zeros_like(where)
+    return Slots(
+        cache=jax.tree_util.tree_map_with_path(put, slots.cache, fresh),
+        encoder_tokens=rows(slots.encoder_tokens, tokens),
+        token=rows(slots.token, zeros),
+        position=rows(slots.position, zeros),
+        out=rows(slots.out, jnp.zeros((len(where), max_length), jnp.int32)),
+        done=rows(slots.done, zeros.astype(jnp.bool_)),
+        keys=rows(slots.keys, keys),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class Picking:
+    """How `run_segment` picks tokens: greedy (temperature 0) or sampling, ending at eos_id."""
+
+    eos_id: int
+    temperature: float = 0.0
+    top_k: int = 0
+
+
+def run_segment(module, params, slots: Slots, picking: Picking, free_wanted, max_steps) -> Slots:
+    """Decodes every unfinished slot one token per step, until at least `free_wanted` slots are
+    finished or free, every slot is, or `max_steps` steps ran. Each slot feeds its own last token
+    at its own position and draws from its own key, split once per step as `decode` splits it,
+    so a row decodes exactly as it would have in a batch of its own."""
+    rows, max_length = slots.out.shape
+    # Cross-attention reads its cached keys and values; the encoder output is not used again.
+    encoded = jnp.zeros((rows, 1, module.config.emb_dim), module.config.activation_dtype)
+    columns = jnp.arange(max_length)[None, :]
+
+    def step(carry):
+        s, steps = carry
+        logits, cache = _decoder_step(
+            module, params, s.cache, encoded, s.encoder_tokens, s.token, s.position
+        )
+        keys, step_keys = _split(s.keys) if picking.temperature > 0 else (s.keys, s.keys)
+        token = _pick_next(logits, step_keys, picking.temperature, picking.top_k)
+        token = jnp.where(s.done, 0, token)
+        written = (columns == s.position[:, None]) & ~s.done[:, None]
+        out = jnp.where(written, token[:, None], s.out)
+        position = jnp.where(s.done, s.position, s.position + 1)
+        done = s.done | (token == picking.eos_id) | (position >= max_length)
+        return Slots(cache, s.encoder_tokens, token, position, out, done, keys), steps + 1
+
+    def going(carry):
+        s, steps = carry
+        finished = jnp.sum(s.done)
+        return (finished < free_wanted) & (finished < rows) & (steps < max_steps)
+
+    return jax.lax.while_loop(going, step, (slots, jnp.int32(0)))[0]
+
+
 def length_penalty(length: Array | int, alpha: float) -> Array:
     """T5X's (GNMT's) length normalization: ((5 + length) / 6) ** alpha; 1 when alpha is 0."""
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha

@@ -269,11 +269,19 @@ class MultiHeadAttention(nn.Module):
         k = self.variable("cache", "cached_key", jnp.zeros, shape, self.dtype)
         v = self.variable("cache", "cached_value", jnp.zeros, shape, self.dtype)
         if not creating:
-            start = (0, 0, decode_position, 0)
             for cached, name in ((k, "key"), (v, "value")):
                 new = self._project_head_major(name, inputs_kv).astype(cached.value.dtype)
-                cached.value = jax.lax.dynamic_update_slice(cached.value, new, start)
+                cached.value = _write_position(cached.value, new, decode_position)
         return k.value, v.value
+
+
+def _write_position(cache: Array, new: Array, position: Array) -> Array:
+    """Writes `new` ([batch, heads, 1, kv]) into the cache at `position`: one position for every
+    row (a scalar), or each row's own ([batch]) when rows decode at different positions."""
+    if jnp.ndim(position) == 0:
+        return jax.lax.dynamic_update_slice(cache, new, (0, 0, position, 0))
+    at = jnp.arange(cache.shape[2])[None, None, :, None] == position[:, None, None, None]
+    return jnp.where(at, new, cache)
 
 
 class MlpBlock(nn.Module):

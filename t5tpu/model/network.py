@@ -306,10 +306,16 @@ class Decoder(nn.Module):
 
 
 def _one_step_self_bias(relpos: nn.Module, decode_position, max_length: int):
-    """Decoding one token: the query at `decode_position` sees every cached position up to it."""
+    """Decoding one token: the query at `decode_position` sees every cached position up to it.
+    A [batch] of positions gives each row its own (rows that joined the batch at other steps)."""
     key_positions = jnp.arange(max_length)
-    position_bias = relpos(decode_position[None], key_positions)
-    visible = (key_positions <= decode_position)[None, None, None, :]
+    if jnp.ndim(decode_position) == 0:
+        position_bias = relpos(decode_position[None], key_positions)
+        visible = (key_positions <= decode_position)[None, None, None, :]
+        return position_bias, _bias_from_mask(visible)
+    # The rows' positions as the bias's query axis, then moved to the batch axis.
+    position_bias = jnp.swapaxes(relpos(decode_position, key_positions), 0, 2)
+    visible = (key_positions[None, :] <= decode_position[:, None])[:, None, None, :]
     return position_bias, _bias_from_mask(visible)
 
 

@@ -8,7 +8,8 @@ them). The inputs are read lazily (runners/infer_inputs.py) and decoded INFER_CH
 time; each finished chunk is a file of its own (runners/infer_chunks.py), so a rerun of an
 interrupted command continues after the last one, INFER_NUM_SHARDS independent runs split the
 chunks, and the final file, assembled from the chunks, is the same however the work was split.
-Within a chunk, inputs are batched by length and padded to a few lengths (batches.bucket_length).
+Within a chunk, inputs are decoded by the engine (model/engine.py): batched by length, padded
+to a few lengths, finished rows replaced by waiting ones.
 INFER_OUTPUT_DIR puts the files and infer_config.gin in another folder, for a MODEL_DIR that is
 read-only (runners/outputs.py); the config is written with the first predictions.
 """
@@ -24,9 +25,9 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5tpu.config import gin_setup
-from t5tpu.data import batches, pipeline
+from t5tpu.data import pipeline
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
+from t5tpu.model import decoding, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import example_progress, infer_chunks, infer_inputs, outputs, prediction_files
@@ -51,9 +52,8 @@ def _encoded(record: infer_inputs.Record, vocabulary, input_length: int) -> _Exa
     tokenized and cut by the task."""
     if record.ids is not None:
         return _Example(record, record.ids, False)
-    ids = vocabulary.encode(record.text)
-    cut = (*ids[: input_length - 1], vocabulary.eos_id)
-    return _Example(record, cut, len(ids) >= input_length)  # with its EOS, too long
+    encoded = engine.encode(vocabulary, record.text, input_length)
+    return _Example(record, encoded.ids, encoded.truncated)
 
 
 def _refuse_overlong(source: infer_inputs.InputSource, vocabulary, input_length: int) -> None:
@@ -110,9 +110,9 @@ class _Checkpoints:
 
 
 class _Decoder:
-    """Decodes pieces of the inputs with one checkpoint's parameters: batches of similar
-    lengths, each padded to its bucket; sampling draws each example from a key of its own (its
-    index in the source), so a prediction never depends on which examples shared its batch."""
+    """Decodes pieces of the inputs through the engine, with one checkpoint's parameters at a
+    time. Sampling draws each example from a key of its own (its index in the source), so a
+    prediction never depends on which examples shared its batch."""
 
     def __init__(
         self,
@@ -125,60 +125,49 @@ class _Decoder:
         batch_size: int,
     ):
         self.lengths = lengths
-        self.input_length, target_length = lengths
+        self.input_length = lengths[0]
         self.batch_size = batch_size
         self.settings = settings
         self.vocabulary = model.vocabulary
-        self.batch_sharding = partitioner.batch_sharding()
-        self._predict = partitioner.jit(
-            lambda p, b, keys: model.predict(p, b, target_length, keys, settings),
-            in_shardings=(param_shardings, self.batch_sharding, self.batch_sharding),
-            out_shardings=partitioner.replicated(),  # every host holds all predictions
+        self.request = engine.Request(settings, max_length=lengths[1])
+        self._engine_args = dict(
+            network=model,
+            param_shardings=param_shardings,
+            partitioner=partitioner,
+            batch_size=batch_size,
+            max_input_length=lengths[0],
+            max_target_length=lengths[1],
+            pinned=self.request,
         )
+        self._engine: engine.Engine | None = None
 
-    def _keys(self, indices: np.ndarray) -> np.ndarray | None:
-        return decoding.row_keys(self.settings.seed, indices) if self.settings.samples else None
+    def use(self, params) -> None:
+        """Decodes with `params` from now on (the compiled programs are kept)."""
+        if self._engine is None:
+            self._engine = engine.Engine(params=params, **self._engine_args)
+        else:
+            self._engine.set_params(params)
 
-    def _batch(self, params, examples: list[_Example], rows: list[int], first: int) -> np.ndarray:
-        """Token ids of `rows`, padded to the batch size and the bucket of the longest."""
-        longest = max(len(examples[i].ids) for i in rows)
-        tokens = np.zeros((self.batch_size, batches.bucket_length(longest, self.input_length)))
-        for row, i in enumerate(rows):
-            tokens[row, : len(examples[i].ids)] = examples[i].ids
-        indices = np.zeros(self.batch_size, np.int32)
-        indices[: len(rows)] = [first + i for i in rows]
-        batch = {"encoder_input_tokens": tokens.astype(np.int32)}
-        keys = self._keys(indices)
-        placed = batches.full_batch_to_global(batch, self.batch_sharding)
-        if keys is not None:
-            keys = batches.full_batch_to_global({"k": keys}, self.batch_sharding)["k"]
-        return np.asarray(jax.device_get(self._predict(params, placed, keys)))
+    def compile_every_bucket(self) -> None:
+        """Compiles the programs of each padded length now: compiling takes more host memory
+        than decoding, so a long run that met a rare long input late would reach its peak then;
+        compiled first, the peak is the same for any input count."""
+        self._engine.warm_up(self.request, counts=[self._engine.batch_size])
 
-    def compile_every_bucket(self, params) -> None:
-        """Compiles the program of each padded length now, on a batch of padding: compiling
-        takes more host memory than decoding, so a long run that met a rare long input late
-        would reach its peak then; compiled first, the peak is the same for any input count."""
-        lengths = {
-            batches.bucket_length(n, self.input_length) for n in range(1, self.input_length + 1)
+    def lines(self, span: infer_chunks.Span, examples: list[_Example], stop) -> list[str] | None:
+        """One JSON line per example, in input order; None when `stop()` says so (the piece is
+        then decoded again by the next run)."""
+        rows = (
+            engine.Row(ex.ids, index=span.start + i, seed=self.settings.seed, tag=i)
+            for i, ex in enumerate(examples)
+        )
+        feed = engine.ListFeed(rows, bucket=self._engine.bucket)
+        predictions = {
+            decoded.row.tag: decoded.ids
+            for decoded in self._engine.stream(feed, self.request, stop=stop)
         }
-        empty = [_Example(infer_inputs.Record("", ""), (0,), False)]
-        for length in sorted(lengths):
-            empty = [dataclasses.replace(empty[0], ids=(0,) * length)]
-            self._batch(params, empty, [0], 0)
-
-    def lines(
-        self, params, span: infer_chunks.Span, examples: list[_Example], stop
-    ) -> list[str] | None:
-        """One JSON line per example, in input order; None when `stop()` says so after a batch
-        (the piece is then decoded again by the next run)."""
-        order = sorted(range(len(examples)), key=lambda i: len(examples[i].ids))
-        predictions = {}
-        for start in range(0, len(order), self.batch_size):
-            rows = order[start : start + self.batch_size]
-            out = self._batch(params, examples, rows, span.start)
-            predictions.update(zip(rows, out, strict=False))  # padding rows dropped
-            if stop():
-                return None
+        if len(predictions) < len(examples):
+            return None
         return [
             prediction_files.json_line(
                 ex.record.text, self.vocabulary.decode(predictions[i].tolist()), ex.record.target
@@ -264,7 +253,7 @@ class _Run:
         }
 
 
-def _decode_chunks(run: _Run, store, params, progress, watch) -> tuple[int, int, bool]:
+def _decode_chunks(run: _Run, store, progress, watch) -> tuple[int, int, bool]:
     """Decodes this run's missing chunks into `store`; returns (inputs read, inputs truncated,
     whether SIGTERM stopped it)."""
     writer = jax.process_index() == 0
@@ -276,7 +265,7 @@ def _decode_chunks(run: _Run, store, params, progress, watch) -> tuple[int, int,
     for number, (span, piece) in enumerate(pieces):
         examples = [_encoded(r, run.decoder.vocabulary, run.decoder.input_length) for r in piece]
         truncated += sum(ex.overlong for ex in examples)
-        lines = run.decoder.lines(params, span, examples, stop=watch.requested)
+        lines = run.decoder.lines(span, examples, stop=watch.requested)
         if lines is None:
             return records.count, truncated, True
         if writer:
@@ -299,11 +288,11 @@ def _decode_step(run: _Run, restorable: _Checkpoints, step: int, watch) -> str |
         inputs=infer_inputs.Texts(run.source),
     )
     store = infer_chunks.ChunkStore(path, run.manifest(step))
-    params = restorable.params(step)
+    run.decoder.use(restorable.params(step))
     if run.source.total is None or run.source.total > run.assignment.chunk_size:
-        run.decoder.compile_every_bucket(params)
+        run.decoder.compile_every_bucket()
     progress = example_progress.ExampleProgress(f"infer step {step}", total=run.source.total)
-    read, truncated, stopped = _decode_chunks(run, store, params, progress, watch)
+    read, truncated, stopped = _decode_chunks(run, store, progress, watch)
     _warn_truncated(truncated, progress.count, run.decoder.input_length)
     if stopped:
         print(

@@ -35,7 +35,7 @@ from starlette.routing import Route
 from t5tpu.errors import one_line_message
 from t5tpu.serve import payloads
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
-from t5tpu.serve.engine import DecodeRow, Engine, Group, ScoreRow
+from t5tpu.serve.model_worker import DecodeRow, Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from t5tpu.serve.task_calls import TaskRunner
@@ -85,22 +85,22 @@ class Service:
         self.batcher = batcher
         self.metrics = metrics
         self.options = options
-        self.engine: Engine | None = None
+        self.engine: ModelWorker | None = None
         self.tasks = TaskRunner(queue=self._queue_prompts, threads=task_threads)
         self._task_rows = 0  # task instances admitted and not yet answered
 
-    def ready(self, engine: Engine) -> None:
+    def ready(self, engine: ModelWorker) -> None:
         self.engine = engine
         self.metrics.ready.set(1)
 
     # --- checking and tokenizing (in the thread pool) ----------------------------------------
 
-    def _engine(self) -> Engine:
+    def _engine(self) -> ModelWorker:
         if self.engine is None:
             raise NotReady
         return self.engine
 
-    def _limits(self, engine: Engine) -> payloads.Limits:
+    def _limits(self, engine: ModelWorker) -> payloads.Limits:
         return payloads.Limits(
             max_instances=self.options.max_instances,
             max_length=engine.max_target_length,
@@ -219,7 +219,7 @@ class Service:
         return b"".join(chunks)
 
 
-def _decode_rows(engine: Engine, encoded: list, decoding: Decoding, first: int) -> list:
+def _decode_rows(engine: ModelWorker, encoded: list, decoding: Decoding, first: int) -> list:
     """(group, row) pairs of inputs to decode; row i samples from its index first + i."""
     return [
         (

@@ -3,13 +3,15 @@
 Requests put rows (one per instance) on a bounded queue and get a future per row. Each row has
 a group: rows that one compiled program can run together (for a model: the same kind of work,
 the same decoding settings, the same padded input length). The worker takes the oldest row's
-group, waits up to `max_wait_s` from that row's arrival for more of it, then runs up to
-`max_batch_size` of its rows in one call. While a batch runs, new rows queue
-up, so under load the wait is spent decoding, not sleeping.
+group, waits up to `max_wait_s` from that row's arrival for more of it, then runs the group:
+`run_group(group, feed)` takes rows from the group's queue through the feed as it has room for
+them (a continuous batch takes new rows while others are still decoding) and answers each row
+when it is done. A group keeps taking rows until another group's oldest row has waited
+`max_wait_s`, so one busy group cannot starve the others.
 
-A row whose future was cancelled (its client went away) before its batch started is dropped
-unrun; the others' batch is unchanged. A batch that raises fails its rows' futures only. Nothing
-here knows about models or HTTP: `run_batch` does the work.
+A row whose future was cancelled (its client went away) before it was taken is dropped unrun.
+A `run_group` that raises fails the rows it took and did not answer, and no others. Nothing
+here knows about models or HTTP.
 """
 
 from __future__ import annotations
@@ -58,10 +60,12 @@ class Batcher:
         self,
         *,
         limits: BatchLimits,
-        on_batch: Callable[[Hashable, int, float], None] = lambda group, rows, seconds: None,
+        on_rows: Callable[[Hashable, int], None] = lambda group, rows: None,
+        on_run: Callable[[Hashable, float], None] = lambda group, seconds: None,
     ):
         self.limits = limits
-        self._on_batch = on_batch
+        # Rows are counted when taken, before any is answered; a group's time when it ends.
+        self._on_rows, self._on_run = on_rows, on_run
         self._ready = threading.Condition()
         self._groups: dict[Hashable, collections.deque[_Row]] = {}
         self._count = 0
@@ -93,12 +97,10 @@ class Batcher:
             self._ready.notify()
         return [row.future for row in queued]
 
-    def serve(self, run_batch: Callable[[Hashable, list], list]) -> None:
-        """Runs batches in this thread until `stop` was called and the queue is empty."""
-        while (batch := self._next_batch()) is not None:
-            group, rows = batch
-            if rows:
-                self._run(run_batch, group, rows)
+    def serve(self, run_group: Callable[[Hashable, GroupFeed], None]) -> None:
+        """Runs groups in this thread until `stop` was called and the queue is empty."""
+        while (group := self._next_group()) is not None:
+            self._run(run_group, group)
 
     def stop(self) -> None:
         """No more rows are taken; `serve` returns once the queued ones are done."""
@@ -116,10 +118,10 @@ class Batcher:
                 if row.future.set_running_or_notify_cancel():
                     row.future.set_exception(Stopped(f"the model could not be loaded: {error}"))
 
-    def _next_batch(self) -> tuple[Hashable, list[_Row]] | None:
-        """The next group and its rows (empty when all were cancelled); None once stopped and
-        empty. Waits while nothing is queued, or while the oldest group is short of a full batch
-        and its first row is younger than max_wait_s."""
+    def _next_group(self) -> Hashable | None:
+        """The group to run next; None once stopped and empty. Waits while nothing is queued,
+        or while the oldest group is short of a full batch and its first row is younger than
+        max_wait_s."""
         with self._ready:
             while True:
                 if not self._count:
@@ -130,38 +132,71 @@ class Batcher:
                 group, rows = min(self._groups.items(), key=lambda kv: kv[1][0].arrived)
                 wait = rows[0].arrived + self.limits.max_wait_s - time.monotonic()
                 if len(rows) >= self.limits.max_batch_size or wait <= 0 or self._stopping:
-                    return group, self._take(group)
+                    return group
                 self._ready.wait(wait)
 
-    def _take(self, group: Hashable) -> list[_Row]:
-        """Up to max_batch_size of the group's rows, oldest first, without the cancelled ones
-        (whose futures can no longer be cancelled once taken)."""
-        queue = self._groups[group]
-        taken = []
-        while queue and len(taken) < self.limits.max_batch_size:
-            row = queue.popleft()
-            self._count -= 1
-            if row.future.set_running_or_notify_cancel():
-                taken.append(row)
-        if not queue:
-            del self._groups[group]
+    def _take(self, group: Hashable, count: int, *, first: bool) -> list[_Row]:
+        """Up to `count` of the group's rows, oldest first, without the cancelled ones (whose
+        futures can no longer be cancelled once taken). After the first take, none while
+        another group's oldest row has waited max_wait_s."""
+        with self._ready:
+            queue = self._groups.get(group)
+            if not queue or (not first and self._others_waited(group)):
+                return []
+            taken = []
+            while queue and len(taken) < count:
+                row = queue.popleft()
+                self._count -= 1
+                if row.future.set_running_or_notify_cancel():
+                    taken.append(row)
+            if not queue:
+                del self._groups[group]
+        if taken:
+            self._on_rows(group, len(taken))
         return taken
 
-    def _run(self, run_batch: Callable, group: Hashable, rows: list[_Row]) -> None:
+    def _others_waited(self, group: Hashable) -> bool:
+        oldest = time.monotonic() - self.limits.max_wait_s
+        return any(rows[0].arrived <= oldest for g, rows in self._groups.items() if g != group)
+
+    def _run(self, run_group: Callable, group: Hashable) -> None:
+        feed = GroupFeed(self, group)
         start = time.perf_counter()
         try:
-            results = run_batch(group, [row.item for row in rows])
-            if len(results) != len(rows):
-                raise RuntimeError(f"{len(results)} results for {len(rows)} rows")
-        except Exception as error:  # the batch's requests fail; the worker goes on
+            run_group(group, feed)
+            if feed.unanswered:
+                raise RuntimeError(f"{len(feed.unanswered)} rows were taken and not answered")
+        except Exception as error:  # the group's requests fail; the worker goes on
             traceback.print_exc()
             lines = str(error).strip().splitlines() or [""]
-            for row in rows:
+            for row in feed.unanswered:
                 failure = BatchFailed(f"{type(error).__name__}: {lines[0]}".rstrip(": "))
                 failure.__cause__ = error
                 row.future.set_exception(failure)
-            return
         finally:
-            self._on_batch(group, len(rows), time.perf_counter() - start)
-        for row, result in zip(rows, results, strict=True):
-            row.future.set_result(result)
+            if feed.taken:
+                self._on_run(group, time.perf_counter() - start)
+
+
+class GroupFeed:
+    """The worker's hold on one group's queue while it runs it: `take` rows that wait now
+    (never blocks), `answer` each one taken."""
+
+    def __init__(self, batcher: Batcher, group: Hashable):
+        self._batcher, self._group = batcher, group
+        self.taken = 0
+        self._unanswered: dict[int, _Row] = {}
+
+    @property
+    def unanswered(self) -> list[_Row]:
+        return list(self._unanswered.values())
+
+    def take(self, count: int) -> list[_Row]:
+        rows = self._batcher._take(self._group, count, first=not self.taken)
+        self.taken += len(rows)
+        self._unanswered.update((id(row), row) for row in rows)
+        return rows
+
+    def answer(self, row: _Row, result) -> None:
+        del self._unanswered[id(row)]
+        row.future.set_result(result)

@@ -23,7 +23,7 @@ from t5tpu.config import gin_setup
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
-from t5tpu.serve.engine import Engine
+from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.payloads import Decoding
 
 STORAGE_URI = "AIP_STORAGE_URI"
@@ -152,7 +152,9 @@ def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
     )
 
 
-def load_engine(setup: ModelSetup, *, max_batch_size: int, say: Callable[[str], None]) -> Engine:
+def load_engine(
+    setup: ModelSetup, *, max_batch_size: int, say: Callable[[str], None]
+) -> ModelWorker:
     """The model loaded and placed on the devices, wrapped for serving (not yet compiled)."""
     from t5tpu import api
     from t5tpu.partitioning import Partitioner
@@ -179,9 +181,8 @@ def load_engine(setup: ModelSetup, *, max_batch_size: int, say: Callable[[str], 
             search_paths=list(setup.gin.search_paths),
         )
     say(f"loaded {model!r}")
-    return Engine(
+    return ModelWorker(
         model=model,
-        partitioner=partitioner,
         max_batch_size=max_batch_size,
         defaults=setup.defaults,
         beam_alpha=setup.beam_alpha,

@@ -37,10 +37,18 @@ class ServeMetrics:
             "request_seconds", "request latency", ["route"], buckets=_LATENCY_BUCKETS, **kwargs
         )
         self.batch_rows = prometheus_client.Histogram(
-            "batch_rows", "rows per model call", ["kind"], buckets=_ROW_BUCKETS, **kwargs
+            "batch_rows",
+            "rows a batch took at once (at its start or into freed slots)",
+            ["kind"],
+            buckets=_ROW_BUCKETS,
+            **kwargs,
         )
         self.batch_seconds = prometheus_client.Histogram(
-            "batch_seconds", "model time per call", ["kind"], buckets=_LATENCY_BUCKETS, **kwargs
+            "batch_seconds",
+            "model time per run of a group of rows",
+            ["kind"],
+            buckets=_LATENCY_BUCKETS,
+            **kwargs,
         )
         self.queue_rows = prometheus_client.Gauge("queue_rows", "rows waiting", **kwargs)
         self.truncated = prometheus_client.Counter(
@@ -51,10 +59,13 @@ class ServeMetrics:
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_rows.set_function(depth)
 
-    def observe_batch(self, group, rows: int, seconds: float) -> None:
-        kind = getattr(group, "kind", str(group))
-        self.batch_rows.labels(kind=kind).observe(rows)
-        self.batch_seconds.labels(kind=kind).observe(seconds)
+    def observe_rows(self, group, rows: int) -> None:
+        """Rows a batch took at once: when it started, or into slots that others left."""
+        self.batch_rows.labels(kind=getattr(group, "kind", str(group))).observe(rows)
+
+    def observe_run(self, group, seconds: float) -> None:
+        """The time the model spent on a group's rows, from its first take to its last answer."""
+        self.batch_seconds.labels(kind=getattr(group, "kind", str(group))).observe(seconds)
 
     def exposition(self) -> bytes:
         return prometheus_client.generate_latest(self.registry)

@@ -24,7 +24,7 @@ import uvicorn
 from t5tpu.errors import UserError
 from t5tpu.serve.app import HttpOptions, Service, build_app
 from t5tpu.serve.batcher import Batcher, BatchLimits
-from t5tpu.serve.engine import Engine
+from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.serve_metrics import ServeMetrics
 
 
@@ -57,7 +57,7 @@ def bind(host: str, port: int) -> socket.socket:
 class _Worker:
     """The model's thread: load, compile, then batches until the batcher stops."""
 
-    def __init__(self, *, service: Service, load: Callable[[], Engine], warm_up: bool):
+    def __init__(self, *, service: Service, load: Callable[[], ModelWorker], warm_up: bool):
         self.service = service
         self.load = load
         self.warm_up = warm_up
@@ -75,9 +75,9 @@ class _Worker:
             self.on_failure()
             return
         self.service.ready(engine)
-        self.service.batcher.serve(engine.run_batch)
+        self.service.batcher.serve(engine.run_group)
 
-    def _prepare(self) -> Engine:
+    def _prepare(self) -> ModelWorker:
         start = time.perf_counter()
         engine = self.load()
         if self.warm_up:
@@ -118,12 +118,12 @@ def build(
     options: ServerOptions,
     http: HttpOptions,
     batching: BatchLimits,
-    load: Callable[[], Engine],
+    load: Callable[[], ModelWorker],
 ) -> Running:
     """The app, its batcher and worker, and the uvicorn server around them; the worker starts
     with the server and stops after it."""
     metrics = ServeMetrics()
-    batcher = Batcher(limits=batching, on_batch=metrics.observe_batch)
+    batcher = Batcher(limits=batching, on_rows=metrics.observe_rows, on_run=metrics.observe_run)
     metrics.watch_queue(lambda: batcher.depth)
     # A full batch of task calls can wait for the model at once.
     service = Service(
@@ -159,7 +159,7 @@ def serve(
     options: ServerOptions,
     http: HttpOptions,
     batching: BatchLimits,
-    load: Callable[[], Engine],
+    load: Callable[[], ModelWorker],
 ) -> int:
     """Serves on `sock` until SIGTERM or Ctrl-C; the model comes from `load`, called in the
     worker thread. Returns the exit code (0), or raises the loading error."""

@@ -1,0 +1,140 @@
+"""The model side of the server: the rows requests queue, and the worker that runs each group of
+them through the engine (t5tpu/model/engine.py) that `t5tpu infer` and the Python API use.
+
+Only the batcher's worker thread calls `run_group` (and `warm_up`); `encode` is called from the
+request threads (SentencePiece is thread-safe).
+
+Decoding groups run as continuous batches: a row is answered as soon as it finishes, and rows
+of the same group that arrive while a batch decodes join it as slots free up (the batch looks
+for them every few steps). A batch holds rows of one input-length bucket and has the smallest
+of a few row counts (powers of two up to --max_batch_size) that holds the rows waiting when it
+starts. Sampling draws each row from its own key, `fold_in(PRNGKey(seed), index of the row in
+its request)`, the key `t5tpu infer` gives the input at that index: a request decodes as `t5tpu
+infer` of its instances does, whichever requests shared its batch. Programs are kept per
+settings: the server's defaults for good, a bounded number of others by last use.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from t5tpu.api.model import T5Model
+from t5tpu.model import decoding
+from t5tpu.model.engine import Encoded, Request, Row
+from t5tpu.serve.batcher import GroupFeed
+from t5tpu.serve.payloads import Decoding
+
+# A decoding batch looks for newly queued rows of its group at least this many steps apart.
+_POLL_STEPS = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeRow:
+    """One instance to decode: its ids, its index in its request and its request's seed."""
+
+    ids: tuple[int, ...]
+    index: int
+    seed: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ScoreRow:
+    input_ids: tuple[int, ...]
+    target_ids: tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """Rows one program runs together: 'decode' with its settings, or 'score'; and the padded
+    length of their inputs. Rows batch only with their length bucket: a short input padded to a
+    long one's bucket would cost as much encoder time as the long one, and on a CPU the encoder
+    is often most of a request."""
+
+    kind: str
+    length: int
+    decoding: Decoding | None = None
+
+    @classmethod
+    def for_decoding(cls, settings: Decoding, length: int) -> Group:
+        # The seed only picks row keys: rows of every seed share a program and a batch.
+        return cls("decode", length, dataclasses.replace(settings, seed=0))
+
+    @classmethod
+    def for_scoring(cls, length: int) -> Group:
+        return cls("score", length)
+
+
+class _QueuedRows:
+    """The engine's Feed over a group's queue: the rows waiting now, as engine Rows tagged with
+    their queue entries."""
+
+    def __init__(self, feed: GroupFeed, *, bucket: int, first: int):
+        self._feed, self._bucket = feed, bucket
+        self._held = []
+        self._first = first
+
+    def next_bucket(self) -> int | None:
+        if not self._held:
+            self._held = self._feed.take(self._first)
+        return self._bucket if self._held else None
+
+    def take(self, count: int, bucket: int) -> list[Row]:
+        taken, self._held = self._held[:count], self._held[count:]
+        taken += self._feed.take(count - len(taken)) if count > len(taken) else []
+        return [Row(t.item.ids, t.item.index, t.item.seed, tag=t) for t in taken]
+
+
+class ModelWorker:
+    """A loaded T5Model's engine, run group by group for the server."""
+
+    def __init__(self, *, model: T5Model, max_batch_size: int, defaults: Decoding, beam_alpha=0.6):
+        self.vocabulary = model.vocabulary
+        self.vocab_size = model.model.config.vocab_size
+        self.max_input_length = model.shapes.max_input_length
+        self.max_target_length = model.shapes.max_target_length
+        self.defaults = defaults
+        self._beam_alpha = beam_alpha
+        self.engine = model.engine  # the model's parameters, cast once, and its programs
+        self.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
+        self.batch_sizes = self.engine.slot_counts
+
+    @property
+    def program_count(self) -> int:
+        return self.engine.program_count
+
+    def encode(self, text: str, limit: int) -> Encoded:
+        return self.engine.encode(text, limit)
+
+    def input_bucket(self, ids: tuple[int, ...]) -> int:
+        """The padded length of an input (of its batch, which holds only its bucket's)."""
+        return self.engine.bucket(len(ids))
+
+    def warm_up(self, *, stopping: Callable[[], bool] = lambda: False) -> int:
+        """Compiles the default settings' decoding programs for every shape a batch can take
+        (until `stopping()` says otherwise); returns how many programs are ready."""
+        return self.engine.warm_up(self._request(self.defaults), stopping=stopping)
+
+    def run_group(self, group: Group, feed: GroupFeed) -> None:
+        """The batcher's `run_group`: texts for 'decode' rows, log-likelihoods for 'score',
+        each answered as soon as it is ready."""
+        if group.kind == "score":
+            rows = feed.take(self.engine.batch_size)
+            inputs = [row.item.input_ids for row in rows]
+            scores = self.engine.score(inputs, [row.item.target_ids for row in rows])
+            for row, score in zip(rows, scores, strict=True):
+                feed.answer(row, float(score))
+            return
+        queued = _QueuedRows(feed, bucket=group.length, first=self.engine.batch_size)
+        request = self._request(group.decoding)
+        for decoded in self.engine.stream(queued, request, poll_steps=_POLL_STEPS):
+            feed.answer(decoded.row.tag, self.vocabulary.decode(decoded.ids.tolist()))
+
+    def _request(self, wanted: Decoding) -> Request:
+        settings = decoding.DecodingSettings(
+            temperature=wanted.temperature,
+            top_k=wanted.top_k,
+            num_beams=wanted.num_beams,
+            beam_alpha=self._beam_alpha,
+        )
+        return Request(settings, wanted.max_length)

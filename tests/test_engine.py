@@ -1,0 +1,116 @@
+"""The engine (t5tpu/model/engine.py) that infer, the Python API and serve share: continuous
+batches decode every row exactly as that row decodes alone, greedy and sampled, while rows that
+finish leave the batch and waiting rows take their slots."""
+
+from __future__ import annotations
+
+import flax
+import jax
+import numpy as np
+import pytest
+import seqio
+
+from t5tpu.model import decoding, engine
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.partitioning import Partitioner
+from t5tpu.training import trainer
+
+MAX_LENGTH = 12
+EOS = 1
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A random tiny model whose output layer favours EOS enough that greedy outputs end at
+    uneven lengths, and 13 inputs of uneven lengths (two input buckets)."""
+    from tiny import tiny_config
+
+    model = EncoderDecoderModel(tiny_config(), seqio.PassThroughVocabulary(1024, eos_id=EOS))
+    partitioner = Partitioner()
+    _, shardings = trainer.abstract_params(model, partitioner, 8, 8)
+    params = flax.core.meta.unbox(model.init(jax.random.PRNGKey(0), 8, 8))
+    kernel = params["decoder"]["logits_dense"]["kernel"]
+    params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(5.0)
+    rng = np.random.default_rng(0)
+    rows = [tuple(rng.integers(2, 1000, size=rng.integers(3, 30))) + (EOS,) for _ in range(13)]
+    return model, params, shardings, partitioner, rows
+
+
+def _engine(tiny, batch_size: int) -> engine.Engine:
+    model, params, shardings, partitioner, _ = tiny
+    return engine.Engine(
+        network=model,
+        params=params,
+        param_shardings=shardings,
+        partitioner=partitioner,
+        batch_size=batch_size,
+        max_input_length=32,
+        max_target_length=MAX_LENGTH,
+    )
+
+
+def _alone(tiny, settings: decoding.DecodingSettings) -> list[np.ndarray]:
+    """Each row decoded in a batch of its own by the whole-batch decoder."""
+    model, params, _, _, rows = tiny
+    decode = jax.jit(
+        lambda p, t, k: model.predict(p, {"encoder_input_tokens": t}, MAX_LENGTH, k, settings)
+    )
+    out = []
+    for index, ids in enumerate(rows):
+        tokens = engine.padded([ids], 1, engine.bucket_length(len(ids), 32))
+        keys = decoding.row_keys(settings.seed, [index]) if settings.samples else None
+        out.append(np.asarray(decode(params, tokens, keys))[0])
+    return out
+
+
+def _length(ids: np.ndarray) -> int:
+    return int(np.argmax(ids == EOS)) + 1 if EOS in ids else len(ids)
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [decoding.DecodingSettings(), decoding.DecodingSettings(temperature=1.0, top_k=20, seed=3)],
+    ids=["greedy", "sampled"],
+)
+def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, monkeypatch):
+    inserted = []
+    insert = engine._SlotBatch.insert
+    monkeypatch.setattr(
+        engine._SlotBatch,
+        "insert",
+        lambda self, rows: inserted.append(len(rows)) or insert(self, rows),
+    )
+    got = _engine(tiny, batch_size=4).generate(tiny[4], engine.Request(settings, MAX_LENGTH))
+    expected = _alone(tiny, settings)
+    for index, (row, alone) in enumerate(zip(got, expected, strict=True)):
+        np.testing.assert_array_equal(row, alone, err_msg=f"row {index}")
+    assert len({_length(row) for row in got}) >= 4, "outputs should end at uneven lengths"
+    # 13 rows through 4 slots: some joined a batch whose other rows were still decoding.
+    assert sum(inserted) == 13 and len(inserted) > 4
+
+
+def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
+    model, params, _, _, rows = tiny
+    settings = decoding.DecodingSettings(num_beams=3)
+    got = _engine(tiny, batch_size=4).generate(rows[:3], engine.Request(settings, MAX_LENGTH))
+    tokens = engine.padded(rows[:3], 3, 32)
+    expected = np.asarray(
+        model.predict(params, {"encoder_input_tokens": tokens}, MAX_LENGTH, None, settings)
+    )
+    np.testing.assert_array_equal(np.stack(got), expected)
+    targets = [(5, 6, EOS), (7, EOS), (8, 9, 10, EOS)]
+    scores = _engine(tiny, batch_size=2).score(rows[:3], targets)
+    target_ids = engine.padded(targets, 3, 16)
+    batch = {
+        "encoder_input_tokens": tokens,
+        "decoder_input_tokens": np.pad(target_ids, ((0, 0), (1, 0)))[:, :-1],
+        "decoder_target_tokens": target_ids,
+    }
+    np.testing.assert_allclose(scores, np.asarray(model.score(params, batch)), rtol=1e-5)
+
+
+def test_buckets_and_row_counts():
+    assert [engine.bucket_length(n, 512) for n in (1, 16, 17, 100, 600)] == [16, 16, 32, 128, 512]
+    assert engine.bucket_length(40, 24) == 24
+    assert engine._SlotBatch.insert_sizes(32) == (8, 16, 32)
+    assert engine._SlotBatch.insert_sizes(1) == (1,)
