@@ -38,7 +38,8 @@ INFER_TRUNCATION as the defaults; a request's parameters override the decoding s
 its answers are those `t5tpu infer` writes for the same inputs and settings.
 
 Requests that arrive within --max_wait_ms of each other with the same decoding settings are \
-decoded in one batch of up to --max_batch_size rows, padded to a few compiled shapes. At most \
+decoded in one batch of up to --max_batch_size rows, padded to a few compiled shapes; a row is \
+answered when it ends and later requests take its place in the running batch. At most \
 --max_queue rows wait; beyond that a request gets 503 with Retry-After. SIGTERM stops taking \
 connections, finishes the requests in flight and exits 0.
 
