@@ -223,7 +223,9 @@ def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys:
     _, fresh = _encode_and_make_cache(module, params, tokens, max_length)
 
     def put(path, old, new):
-        if _path_names(path)[-1] == "max_length":  # the cache's length marker, no rows
+        # The length marker has no rows. A slot's old self-attention keys and values are left:
+        # a row reads only the positions it has written itself (the rest are masked).
+        if _path_names(path)[-1] == "max_length" or _is_self_attention_cache(path):
             return old
         index = (slice(None),) * _batch_axis(path) + (where,)
         return old.at[index].set(new, mode="drop")
