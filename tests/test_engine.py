@@ -36,9 +36,10 @@ def tiny():
     return model, params, shardings, partitioner, rows
 
 
-def _engine(tiny, batch_size: int) -> engine.Engine:
+def _engine(tiny, batch_size: int, smaller_batches: bool = False) -> engine.Engine:
     model, params, shardings, partitioner, _ = tiny
     return engine.Engine(
+        smaller_batches=smaller_batches,
         network=model,
         params=params,
         param_shardings=shardings,
@@ -89,6 +90,44 @@ def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, m
     assert sum(inserted) == 13 and len(inserted) > 4
 
 
+def test_a_server_batch_shrinks_and_grows_with_its_rows(tiny, monkeypatch):
+    sizes = []
+    resize = engine._SlotBatch.resize
+    monkeypatch.setattr(
+        engine._SlotBatch, "resize", lambda self, count: sizes.append(count) or resize(self, count)
+    )
+    settings = decoding.DecodingSettings(temperature=1.0, seed=5)
+    feed = _Trickle(tiny[4])  # two rows at first, then two more after each batch segment
+    got = {}
+    server = _engine(tiny, batch_size=8, smaller_batches=True)
+    for decoded in server.stream(feed, engine.Request(settings, MAX_LENGTH), poll_steps=2):
+        got[decoded.row.index] = decoded.ids
+    expected = _alone(tiny, settings)
+    for index, alone in enumerate(expected):
+        np.testing.assert_array_equal(got[index], alone, err_msg=f"row {index}")
+    assert min(sizes) < max(sizes) <= 8 and len(set(sizes)) >= 3, sizes
+
+
+class _Trickle:
+    """A feed whose rows arrive two at a time, as a server's requests do."""
+
+    def __init__(self, rows):
+        self._rows = [engine.Row(ids, index=i, seed=5) for i, ids in enumerate(rows)]
+        self._ready = 2
+
+    def next_bucket(self):
+        return engine.bucket_length(len(self._rows[0].ids), 32) if self._rows else None
+
+    def take(self, count, bucket):
+        ready = [
+            r for r in self._rows[: self._ready] if engine.bucket_length(len(r.ids), 32) == bucket
+        ]
+        taken = ready[:count]
+        self._rows = [r for r in self._rows if r not in taken]
+        self._ready = 2
+        return taken
+
+
 def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
     model, params, _, _, rows = tiny
     settings = decoding.DecodingSettings(num_beams=3)
@@ -112,5 +151,6 @@ def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
 def test_buckets_and_row_counts():
     assert [engine.bucket_length(n, 512) for n in (1, 16, 17, 100, 600)] == [16, 16, 32, 128, 512]
     assert engine.bucket_length(40, 24) == 24
-    assert engine._SlotBatch.insert_sizes(32) == (8, 16, 32)
+    assert engine._SlotBatch.insert_sizes(32) == (1, 2, 4, 8, 16, 32)
+    assert engine._SlotBatch.insert_sizes(24) == (1, 2, 4, 8, 16, 24)
     assert engine._SlotBatch.insert_sizes(1) == (1,)

@@ -245,6 +245,29 @@ def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys:
     )
 
 
+def gather_slots(slots: Slots, index: Array) -> Slots:
+    """The slots `index` names ([n]), in that order: a batch of n slots. An index past the last
+    slot gives a free slot. A batch whose rows have mostly finished moves its live rows into a
+    smaller batch (each step costs about as much per slot, live or free, on a CPU), and one that
+    more rows wait for moves into a larger one."""
+
+    def take(leaf, axis=0, fill=0):
+        return jnp.take(leaf, index, axis=axis, mode="fill", fill_value=fill)
+
+    def take_cache(path, leaf):
+        return leaf if _path_names(path)[-1] == "max_length" else take(leaf, _batch_axis(path))
+
+    return Slots(
+        cache=jax.tree_util.tree_map_with_path(take_cache, slots.cache),
+        encoder_tokens=take(slots.encoder_tokens),
+        token=take(slots.token),
+        position=take(slots.position),
+        out=take(slots.out),
+        done=take(slots.done, fill=True),
+        keys=take(slots.keys),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Picking:
     """How `run_segment` picks tokens: greedy (temperature 0) or sampling, ending at eos_id."""

@@ -307,10 +307,13 @@ class Engine:
     def _continuous(self, feed, rows, bucket, request, poll_steps, stop):
         """Yields the rows of one continuous batch as they finish; returns whether `stop()`."""
         batch = _SlotBatch(self, request, count=self.slots_for(len(rows)), bucket=bucket)
-        # Refilling a few slots at a time would run the encoder on a few rows at a time.
-        refill_at = max(1, batch.count // 4)
+        # Refilling a few slots at a time would run the encoder on a few rows at a time; a
+        # batch that shrinks as rows end (a server's) answers each row as soon as it ends.
+        refill_at = 1 if self.smaller_batches else max(1, batch.count // 4)
         max_steps = poll_steps or request.max_length
         while True:
+            if self.smaller_batches:  # as few slots as the live and new rows need
+                batch.resize(self.slots_for(len(batch.live) + len(rows)))
             if rows:
                 batch.insert(rows)
             if not batch.live:
@@ -319,22 +322,24 @@ class Engine:
             yield from batch.run(free_wanted=max(free + 1, refill_at), max_steps=max_steps)
             if stop():
                 return True
-            free = batch.count - len(batch.live)
-            rows = feed.take(free, bucket) if free >= refill_at or not batch.live else []
+            room = (self.batch_size if self.smaller_batches else batch.count) - len(batch.live)
+            wanted = batch.count - len(batch.live) >= refill_at or not batch.live
+            rows = feed.take(room, bucket) if wanted or self.smaller_batches else []
 
     def warm_up(
         self, request: Request, *, counts=None, stopping: Callable[[], bool] = lambda: False
     ) -> int:
         """Compiles `request`'s decoding programs for every padded input length and each row
-        count in `counts` (default: all), until `stopping()`; returns how many programs exist."""
+        count in `counts` (default: all), until `stopping()`; returns how many programs exist.
+        Each runs once on padding (jax compiles a program at its first call)."""
         for count in counts or self.slot_counts:
             for bucket in input_buckets(self.max_input_length):
                 if stopping():
                     return self.program_count
                 if request.settings.num_beams > 1:
-                    self._program("beam", request, (count, bucket), self._build_beam)
+                    list(self._beam_batch([Row((0,))], bucket, request))
                 else:
-                    _SlotBatch.compile(self, request, count=count, bucket=bucket)
+                    _SlotBatch(self, request, count=count, bucket=bucket).warm_up()
         return self.program_count
 
     # --- scoring and logits -----------------------------------------------------------------
@@ -449,12 +454,11 @@ class _SlotBatch:
 
     @staticmethod
     def insert_sizes(count: int) -> tuple[int, ...]:
-        """Row counts an insertion is padded to: powers of two from a quarter of the slots."""
-        smallest = max(1, count // 4)
+        """Row counts an insertion is padded to: the powers of two below `count`, and `count`.
+        An insertion runs the encoder on its rows, padding included, and the encoder costs
+        about as much per row in any batch on a CPU: padding must stay small."""
         return tuple(
-            sorted(
-                {count, *(1 << n for n in range(count.bit_length()) if smallest <= 1 << n < count)}
-            )
+            sorted({count, *(1 << n for n in range(count.bit_length()) if 1 << n < count)})
         )
 
     @classmethod
@@ -489,6 +493,38 @@ class _SlotBatch:
             put(keys, batch=False),
         )
         self.live.update(zip(free, rows, strict=False))
+
+    def warm_up(self) -> None:
+        """Runs each program once without changing a slot: insertions of padding only, and a
+        segment of no steps."""
+        for size, insert in self._inserts.items():
+            where = np.full((size,), self.count, np.int32)  # every row dropped
+            arrays = (
+                np.zeros((size, self.bucket), np.int32),
+                where,
+                np.zeros((size, 2), np.uint32),
+            )
+            put = self.engine._put
+            self.state = insert(
+                self.engine.params, self.state, *(put(a, batch=False) for a in arrays)
+            )
+        self.run(free_wanted=0, max_steps=0)
+
+    def resize(self, count: int) -> None:
+        """Moves the live rows into a batch of `count` slots (a smaller or larger one)."""
+        if count == self.count:
+            return
+        index = np.full((count,), self.count, np.int32)  # past the last slot: a free slot
+        index[: len(self.live)] = list(self.live)
+        resized = self.engine._program(
+            "resize", self.request, (self.count, self.bucket, count), _build_resize(self.engine)
+        )
+        self.state = resized(self.engine.params, self.state, self.engine._put(index, batch=False))
+        self.live = dict(enumerate(self.live.values()))
+        self.count = count
+        self._empty, self._segment, self._inserts = self.compile(
+            self.engine, self.request, count=count, bucket=self.bucket
+        )
 
     def run(self, *, free_wanted: int, max_steps: int) -> list[Decoded]:
         """Decodes until `free_wanted` slots are free (or `max_steps`); the rows that finished."""
@@ -534,6 +570,19 @@ def _build_insert(engine: Engine):
             out_shardings=None,
             donate_argnums=(1,),
         )
+
+    return build
+
+
+def _build_resize(engine: Engine):
+    def build(request: Request, count: int, bucket: int, new_count: int):
+        def resize(params, slots, index):
+            del params
+            return decoding.gather_slots(slots, index)
+
+        replicated = engine._partitioner.replicated()
+        # Not donated: the resized state has other shapes, so it cannot reuse the old buffers.
+        return engine._jit(resize, (None, replicated), out_shardings=None)
 
     return build
 

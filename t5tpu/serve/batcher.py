@@ -7,7 +7,8 @@ group, waits up to `max_wait_s` from that row's arrival for more of it, then run
 `run_group(group, feed)` takes rows from the group's queue through the feed as it has room for
 them (a continuous batch takes new rows while others are still decoding) and answers each row
 when it is done. A group keeps taking rows until another group's oldest row has waited
-`max_wait_s`, so one busy group cannot starve the others.
+`max_wait_s` or a second (_HOLD_S), whichever is longer, so one busy group cannot starve the
+others.
 
 A row whose future was cancelled (its client went away) before it was taken is dropped unrun.
 A `run_group` that raises fails the rows it took and did not answer, and no others. Nothing
@@ -23,6 +24,10 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Hashable, Sequence
+
+# How long a running group may keep taking new rows while another group's rows wait: switching
+# groups drains the running batch, whose last rows then decode in a batch of few.
+_HOLD_S = 1.0
 
 
 class QueueFull(Exception):
@@ -138,7 +143,7 @@ class Batcher:
     def _take(self, group: Hashable, count: int, *, first: bool) -> list[_Row]:
         """Up to `count` of the group's rows, oldest first, without the cancelled ones (whose
         futures can no longer be cancelled once taken). After the first take, none while
-        another group's oldest row has waited max_wait_s."""
+        another group's oldest row has waited max_wait_s or _HOLD_S."""
         with self._ready:
             queue = self._groups.get(group)
             if not queue or (not first and self._others_waited(group)):
@@ -156,7 +161,7 @@ class Batcher:
         return taken
 
     def _others_waited(self, group: Hashable) -> bool:
-        oldest = time.monotonic() - self.limits.max_wait_s
+        oldest = time.monotonic() - max(self.limits.max_wait_s, _HOLD_S)
         return any(rows[0].arrived <= oldest for g, rows in self._groups.items() if g != group)
 
     def _run(self, run_group: Callable, group: Hashable) -> None:
