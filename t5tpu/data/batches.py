@@ -12,6 +12,7 @@ import numpy as np
 from t5tpu.partitioning import host_data_rows
 from t5tpu.runtime.lazy_imports import tf
 
+
 def examples_in(batch: Mapping[str, np.ndarray]) -> int:
     """Examples in a host batch: one per row, or, when packed, one per segment (a segment starts
     where its decoder position is 0)."""
