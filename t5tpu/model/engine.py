@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding
+from t5tpu.model import decoding, precision
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -130,22 +130,6 @@ class _Programs:
         return sum(len(programs) for programs in self._families.values())
 
 
-def cast_params(params, dtype, shardings):
-    """Floating parameters in `dtype` (kept in place: same shardings), cast by one program;
-    `params` themselves when they are in `dtype` already."""
-    dtype = jnp.dtype(dtype)
-    floats = [x for x in jax.tree_util.tree_leaves(params) if jnp.issubdtype(x.dtype, jnp.floating)]
-    if all(x.dtype == dtype for x in floats):
-        return params
-
-    def cast(tree):
-        return jax.tree_util.tree_map(
-            lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree
-        )
-
-    return jax.jit(cast, out_shardings=shardings)(params)
-
-
 def padded(rows: Sequence[Sequence[int]], count: int, length: int) -> np.ndarray:
     """[count, length] int32 ids, rows cut to `length` and zero-padded (0 is T5's padding id,
     which the network masks out)."""
@@ -215,7 +199,9 @@ class Engine:
         self.max_input_length = max_input_length
         self.max_target_length = max_target_length
         self.slot_counts = slot_counts(batch_size, partitioner.data_parallelism)
-        self.params = cast_params(params, network.config.activation_dtype, param_shardings)
+        self.params = precision.cast_params(
+            params, network.config.activation_dtype, param_shardings
+        )
         self._param_shardings = param_shardings
         self._partitioner = partitioner
         self._programs = _Programs(pinned=None if pinned is None else pinned.family)
@@ -267,9 +253,8 @@ class Engine:
     def set_params(self, params) -> None:
         """Decodes with other parameters of the same shapes (another checkpoint): the compiled
         programs are kept."""
-        self.params = cast_params(
-            params, self.network.config.activation_dtype, self._param_shardings
-        )
+        dtype = self.network.config.activation_dtype
+        self.params = precision.cast_params(params, dtype, self._param_shardings)
 
     def stream(
         self,

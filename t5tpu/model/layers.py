@@ -1,8 +1,10 @@
 """T5 building blocks in flax linen, with T5X's parameter names and logical axis names.
 
-Parameters are float32 and annotated with logical axes (see partitioning.py for the rules that
-map them onto the ('data', 'model') mesh). Activations run in the configured dtype; softmax,
-layer-norm statistics and the relative position bias are computed in float32.
+Parameters are float32 masters annotated with logical axes (see partitioning.py for the rules
+that map them onto the ('data', 'model') mesh); inference may hand in bfloat16 copies
+(precision.cast_params). Activations run in the configured dtype, and every matmul goes through
+precision.einsum (bfloat16 inputs, float32 accumulation in bfloat16 mode); softmax, layer-norm
+statistics, the relative position bias and the logits are float32.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from collections.abc import Callable, Sequence
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+
+from t5tpu.model import precision
 
 Array = jax.Array
 Initializer = Callable
@@ -47,6 +51,7 @@ class DenseGeneral(nn.Module):
     num_in_dims: int = 1
     dtype: jnp.dtype = jnp.float32
     kernel_init: Initializer = default_kernel_init
+    output_dtype: jnp.dtype | None = None  # None: `dtype` (the logits ask for float32)
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -65,8 +70,9 @@ class DenseGeneral(nn.Module):
         # the batch and length dims left separate, XLA on CPU transposes the incoming gradient
         # (fused into the elementwise backward, e.g. of gated-GELU) before that matmul, which
         # slowed the MLP backward markedly (docs/PERFORMANCE.md, "Changes").
-        rows = x.reshape((-1, fan_in)).astype(self.dtype)
-        out = rows @ kernel.reshape(flat_shape).astype(self.dtype)
+        rows = x.reshape((-1, fan_in))
+        flat_kernel = kernel.reshape(flat_shape)
+        out = precision.einsum("mk,kn->mn", rows, flat_kernel, self.dtype, self.output_dtype)
         return out.reshape(x.shape[: x.ndim - self.num_in_dims] + self.features)
 
 
@@ -101,10 +107,14 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        return jnp.take(self.embedding, ids, axis=0).astype(self.dtype)
+        rows = _on_bits(lambda table: jnp.take(table, ids, axis=0), self.embedding)
+        return rows.astype(self.dtype)
 
     def attend(self, x: Array) -> Array:
-        return jnp.einsum("...d,vd->...v", x.astype(self.dtype), self.embedding.astype(self.dtype))
+        """float32 logits of `x` against every embedding row."""
+        rows = x.reshape((-1, x.shape[-1]))
+        logits = precision.einsum("md,vd->mv", rows, self.embedding, self.dtype, jnp.float32)
+        return logits.reshape(x.shape[:-1] + (self.num_embeddings,))
 
 
 def relative_position_bucket(
@@ -137,6 +147,7 @@ class RelativePositionBias(nn.Module):
     bidirectional: bool
     num_buckets: int = 32
     max_distance: int = 128
+    dtype: jnp.dtype = jnp.float32  # of the matmul's inputs; the bias is float32
 
     @nn.compact
     def __call__(self, query_positions: Array, key_positions: Array) -> Array:
@@ -153,8 +164,9 @@ class RelativePositionBias(nn.Module):
             relative, self.bidirectional, self.num_buckets, self.max_distance
         )
         # A one-hot contraction instead of a gather: it partitions cleanly along heads.
-        one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=jnp.float32)
-        return jnp.einsum("hb,qkb->hqk", rel_embedding, one_hot)[None]
+        one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=self.dtype)
+        bias = precision.einsum("hb,qkb->hqk", rel_embedding, one_hot, self.dtype, jnp.float32)
+        return bias[None]
 
 
 CACHE_AXES = ("batch", "heads", "length", "kv")
@@ -228,7 +240,7 @@ class MultiHeadAttention(nn.Module):
             kv_spec = "bkhd"
         rows = query.shape[0]
         query, bias = _share_key_value_rows(query, bias, key.shape[0])
-        logits = jnp.einsum(f"bqhd,{kv_spec}->bhqk", query, key, preferred_element_type=jnp.float32)
+        logits = precision.einsum(f"bqhd,{kv_spec}->bhqk", query, key, self.dtype, jnp.float32)
         if bias is not None:
             logits = logits + bias
         weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
@@ -238,9 +250,10 @@ class MultiHeadAttention(nn.Module):
             # Head-major out, then one small transpose: XLA:CPU ran the "bqhd" form as per-head
             # [head_dim, keys] x [keys, queries] products, slow when beam search's query rows
             # share a cache row; greedy steps are unaffected (docs/PERFORMANCE.md, "Changes").
-            out = jnp.swapaxes(jnp.einsum(f"bhqk,{kv_spec}->bhqd", weights, value), 1, 2)
+            out = precision.einsum(f"bhqk,{kv_spec}->bhqd", weights, value, self.dtype)
+            out = jnp.swapaxes(out, 1, 2)
         else:
-            out = jnp.einsum(f"bhqk,{kv_spec}->bqhd", weights, value)
+            out = precision.einsum(f"bhqk,{kv_spec}->bqhd", weights, value, self.dtype)
         out = out.reshape((rows, -1) + out.shape[2:])
         dense = DenseGeneral(
             (inputs_q.shape[-1],),
@@ -275,9 +288,21 @@ class MultiHeadAttention(nn.Module):
         return k.value, v.value
 
 
+def _on_bits(fn: Callable, *arrays: Array) -> Array:
+    """fn (a gather or an update, which only moves elements) applied to bfloat16 arrays as
+    their bits: XLA:CPU would convert a whole bfloat16 table or cache to float32 and back
+    around it, a copy as large as the array, at every decoding step for the cache."""
+    if arrays[0].dtype != jnp.bfloat16:
+        return fn(*arrays)
+    bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in arrays]
+    return jax.lax.bitcast_convert_type(fn(*bits), jnp.bfloat16)
+
+
 def _write_position(cache: Array, new: Array, position: Array) -> Array:
     """Writes `new` ([batch, heads, 1, kv]) into the cache at `position`: one position for every
     row (a scalar), or each row's own ([batch]) when rows decode at different positions."""
+    if cache.dtype == jnp.bfloat16:
+        return _on_bits(lambda c, n: _write_position(c, n, position), cache, new)
     if jnp.ndim(position) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, position, 0))
     at = jnp.arange(cache.shape[2])[None, None, :, None] == position[:, None, None, None]
@@ -297,11 +322,17 @@ class MlpBlock(nn.Module):
         hidden = None
         for i, name in enumerate(self.activations):
             dense_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-            h = DenseGeneral((self.mlp_dim,), ("embed", "mlp"), dtype=self.dtype, name=dense_name)(
-                x
-            )
+            # The activation reads the matmul's float32 sums and is rounded once: on CPU a
+            # bfloat16 GELU rounds after every elementwise op, slower than the matmul before it.
+            h = DenseGeneral(
+                (self.mlp_dim,),
+                ("embed", "mlp"),
+                dtype=self.dtype,
+                output_dtype=jnp.float32,
+                name=dense_name,
+            )(x)
             h = ACTIVATIONS[name](h)
             hidden = h if hidden is None else hidden * h
-        hidden = constrain(hidden, ("batch", "length", "mlp"))
+        hidden = constrain(hidden.astype(self.dtype), ("batch", "length", "mlp"))
         hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic)
         return DenseGeneral((x.shape[-1],), ("mlp", "embed"), dtype=self.dtype, name="wo")(hidden)

@@ -48,7 +48,9 @@ class T5Config:
     # True: T5 1.0's output layer is the input embedding; False: T5 1.1's decoder/logits_dense.
     logits_via_embedding: bool = False
     dropout_rate: float = 0.0
-    dtype: str = "float32"  # activations; parameters are always float32
+    # Activations and matmul inputs; 'bfloat16' accumulates every matmul in float32
+    # (model/precision.py). Parameters are float32 masters; inference casts them once.
+    dtype: str = "float32"
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
     # Activation checkpointing of each layer: 'none', 'full' (save nothing) or 'dots' (save
@@ -229,6 +231,7 @@ class Encoder(nn.Module):
             True,
             cfg.relative_attention_num_buckets,
             cfg.relative_attention_max_distance,
+            cfg.activation_dtype,
             name="relpos_bias",
         )(positions, positions)
         bias = (relpos, _bias_from_mask(mask))
@@ -266,6 +269,7 @@ class Decoder(nn.Module):
             False,
             cfg.relative_attention_num_buckets,
             cfg.relative_attention_max_distance,
+            cfg.activation_dtype,
             name="relpos_bias",
         )
         if decode and self.has_variable("cache", "max_length"):
@@ -332,9 +336,13 @@ def _output_logits(cfg: T5Config, shared_embedding: nn.Module, y):
     """The output layer, made inside the calling Decoder (so its parameters are the Decoder's)."""
     if cfg.logits_via_embedding:
         # T5 1.0 ties the output layer to the embedding and rescales by 1/sqrt(d_model).
-        return shared_embedding.attend(y) / jnp.sqrt(y.shape[-1]).astype(y.dtype)
+        return shared_embedding.attend(y) / jnp.sqrt(y.shape[-1]).astype(jnp.float32)
     return layers.DenseGeneral(
-        (cfg.vocab_size,), ("embed", "vocab"), dtype=cfg.activation_dtype, name="logits_dense"
+        (cfg.vocab_size,),
+        ("embed", "vocab"),
+        dtype=cfg.activation_dtype,
+        output_dtype=jnp.float32,
+        name="logits_dense",
     )(y)
 
 
