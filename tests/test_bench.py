@@ -3,8 +3,10 @@ limits, --json prints one line per workload, the HF comparison builds the same g
 analytic FLOPs and decoding bytes agree with XLA's count and a hand count. No timing is asserted:
 the benchmark measures speed, the tests check that what it measures is the right thing."""
 
+import dataclasses
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +14,7 @@ import numpy as np
 import pytest
 from cli_runs import succeeded, t5tpu
 
+from t5tpu import package_files
 from t5tpu.bench import hf, kernels, limits, names, timing, workloads
 from t5tpu.cli import bench
 
@@ -44,7 +47,8 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
             assert impl[workload]["tokens_per_s"] == pytest.approx(
                 2 * 24 / impl[workload]["seconds_per_step"]
             )
-    for name in ("matmul_peak", "stream_bandwidth", "gemv_bandwidth"):
+    peaks = ("matmul_peak_float32", "matmul_peak_bfloat16")
+    for name in (*peaks, "stream_bandwidth", "gemv_bandwidth"):
         for suffix in ("", "_end"):
             limit = ours[f"limit_{name}{suffix}"]
             assert len(limit["probes"]) == 3 and 0 < limit["min"] <= limit["value"] <= limit["max"]
@@ -86,6 +90,7 @@ def check_summary(summary, ours):
         assert len(ours[workload]["dense_matmul_probes"]) == 1 and line["dense_share"] > 0
     assert lines["train"]["step_ms"] == pytest.approx(ours["train"]["seconds_per_step"] * 1e3)
     assert lines["score"]["limit"].startswith("matmul peak")
+    assert "float32 matmul" in lines["score"]["limit"]  # the tiny model's dtype
     beam = lines["beam"]
     assert beam["limit"].startswith("memory floor") and beam["num_beams"] == 4
     # A decoding step: the decode less its prefill (when the prefill is shorter: not always on
@@ -130,10 +135,91 @@ def test_a_missing_gin_file_fails_before_anything_is_written(capfd, tmp_path):
     assert not output.exists() and capfd.readouterr().out == ""
 
 
+BF16 = "--gin.T5Config.dtype='bfloat16'"
+
+
+def test_bf16_against_float32_in_the_same_run(capfd, tmp_path):
+    """--compare_float32: each workload in bfloat16 (weights cast once for scoring and decoding)
+    and in float32, alternating; each set against its own dtype's matmul peak, and their
+    ratios."""
+    output = tmp_path / "bench.jsonl"
+    flags = [BF16, "--compare_float32", "--json", "--workloads=train,score,greedy"]
+    summary = [json.loads(line) for line in run_bench(capfd, *flags, f"--output={output}")]
+    results = [json.loads(line) for line in output.read_text().splitlines()]
+    ours, float32 = by_workload(results), by_workload(results, names.FLOAT32)
+    assert ours["machine"]["dtype"] == "bfloat16"
+    for workload in ("train", "score"):
+        assert "bfloat16 matmul, float32 accumulation" in ours[workload]["limit"]
+        assert "float32 matmul" in float32[workload]["limit"]
+        assert "bfloat16" not in float32[workload]["limit"]
+    ratios = {r["workload"]: r for r in results if r.get("impl") == f"{names.OURS}/{names.FLOAT32}"}
+    assert set(ratios) == {"train", "score", "greedy"}
+    lines = {line["workload"]: line for line in summary}
+    for workload in ("train", "score", "greedy"):
+        line = lines[workload]
+        assert line["float32_ratio"] == pytest.approx(ratios[workload]["ratio"])
+        assert line["float32_step_ms"] > 0 and "hf_ratio" not in line
+    assert lines["greedy"]["float32_step_ms"] == pytest.approx(float32["greedy"]["step_ms"])
+    with pytest.raises(bench.UserError, match="--compare_float32 needs a bfloat16 model"):
+        bench.main([f"--gin_file={TINY}", "--compare_float32"])
+
+
+MODELS = package_files.configs_dir("models")
+MODEL_FILES = sorted(
+    f"{family}/{name[:-4]}"
+    for family in os.listdir(MODELS)
+    if os.path.isdir(os.path.join(MODELS, family))
+    for name in os.listdir(os.path.join(MODELS, family))
+    if name.endswith(".gin") and not name.startswith("_")
+)
+
+
+@pytest.mark.parametrize("name", MODEL_FILES)
+def test_every_model_file_builds_offline(name):
+    """No vocabulary is read: a default_vocabulary that cannot be built (an unknown kind)
+    would fail the moment anything evaluated it, as a gs:// file fails offline."""
+    unbuildable = "--gin_bindings=default_vocabulary.kind = 'unbuildable'"
+    args = bench.parse_args([f"--gin_file=configs/models/{name}.gin", unbuildable])
+    model = workloads.build_model(args)
+    assert model.vocabulary.vocab_size == model.config.vocab_size
+    assert model.config.dtype == ("float32" if name.endswith("/tiny") else "bfloat16")
+
+
+def test_bf16_decoding_reads_two_byte_weights_and_caches():
+    args = bench.parse_args([f"--gin_file={TINY}", BF16])
+    config = workloads.build_model(args).config
+    float32 = limits.decode_step_bytes(dataclasses.replace(config, dtype="float32"), 2, 16, 6, 4)
+    assert limits.decode_step_bytes(config, 2, 16, 6, beams=4) == {
+        part: nbytes / 2 for part, nbytes in float32.items()
+    }
+    params = workloads._inference_params(workloads.build_model(args), args)
+    assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}
+
+
+def test_bf16_dense_chain_keeps_bf16_dots_and_its_flops():
+    """The bfloat16 dense chain (precision.contract's forms, backward too) compiles to bf16
+    dots only, with XLA counting the FLOPs the probe claims."""
+    config = workloads.build_model(bench.parse_args([f"--gin_file={TINY}", BF16])).config
+    matmuls = kernels.forward_dense(config, 2, 16, 8)
+    probe = kernels.dense_probe(matmuls, jnp.bfloat16, backward=True)
+    operands = kernels.dense_operands(matmuls, jnp.bfloat16, True)
+    compiled = kernels.dense_chain(matmuls, True).lower(*operands).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] == pytest.approx(probe.work, rel=0.01)
+    hlo = compiled.as_text()
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    assert len(dots) == 3 * len(matmuls)
+    assert {(types[a], types[b]) for a, b in dots} == {("bf16", "bf16")}
+
+
 def test_limit_probes_are_positive_and_robust():
-    kinds = limits.make_probes(jnp.float32, matmul_size=64, memory_bytes=2**20)
+    kinds = limits.make_probes(matmul_size=64, memory_bytes=2**20)
     found = limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")
-    assert set(found) == {"matmul_peak", "stream_bandwidth", "gemv_bandwidth"}
+    peaks = {"matmul_peak_float32", "matmul_peak_bfloat16"}
+    assert set(found) == peaks | {"stream_bandwidth", "gemv_bandwidth"}
+    assert found["matmul_peak_bfloat16"].shape == "64^3 bfloat16 matmul, float32 accumulation"
     for limit in found.values():
         assert len(limit.probes) == 5 and min(limit.probes) > 0
         assert min(limit.probes) <= limit.value <= max(limit.probes)

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.bench.limits import Probe
+from t5tpu.model import precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +79,20 @@ def dense_operands(matmuls: list[DenseMatmul], dtype, backward: bool) -> tuple:
     return weights, inputs, grads
 
 
+def _products(x, w, dy):
+    """x @ w, and with `dy` the two gradient matmuls, as the model computes them: float32, or
+    bfloat16 inputs with float32 accumulation (precision.contract's fast forms)."""
+    if x.dtype == jnp.float32:
+        return [x @ w] + ([] if dy is None else [dy @ w.T, x.T @ dy])
+    products = [precision.contract("mk,kn->mn", x, w)]
+    if dy is not None:
+        products += [
+            precision.contract("mn,kn->mk", dy, w),
+            precision.contract("mn,mk->kn", dy, x),
+        ]
+    return products
+
+
 def dense_chain(matmuls: list[DenseMatmul], backward: bool):
     """The jitted chain over dense_operands: each matmul in turn, with `backward` its two gradient
     matmuls too ([rows, out] x [out, in] and [in, rows] x [rows, out]), as a train step's
@@ -85,17 +100,15 @@ def dense_chain(matmuls: list[DenseMatmul], backward: bool):
 
     @jax.jit
     def chain(weights, inputs, grads):
-        carry = jnp.zeros((), next(iter(inputs.values())).dtype)
+        dtype = next(iter(inputs.values())).dtype
+        carry = jnp.zeros((), dtype)
         for m, w in zip(matmuls, weights, strict=True):
             x = inputs[(m.rows, m.fan_in)] + carry
-            products = [x @ w]
-            if backward:
-                dy = grads[(m.rows, m.fan_out)]
-                products += [dy @ w.T, x.T @ dy]
+            products = _products(x, w, grads[(m.rows, m.fan_out)] if backward else None)
             # The next input depends on one element of each product; the barrier makes sure
             # no XLA version computes only that element (the tests check the compiled FLOPs).
             products = jax.lax.optimization_barrier(products)
-            carry = sum(p[0, 0] for p in products) * 1e-30
+            carry = (sum(p[0, 0] for p in products) * 1e-30).astype(dtype)
         return carry
 
     return chain

@@ -11,6 +11,7 @@ saw), and after the workloads."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -18,9 +19,6 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-# The weights are float32 whatever T5Config.dtype says (network.T5Config), so they are counted at
-# 4 bytes; caches are kept in the activation dtype.
-WEIGHT_BYTES = 4
 GEMV_INNER = 1024  # the GEMV's input width: [1, 1024] x [1024, n], n filling the probe's bytes
 
 
@@ -95,13 +93,23 @@ def probe_rates(kinds: list[Probe], probes: int, warmup: int = 2) -> dict[str, l
     return rates
 
 
+PEAK_DTYPES = ("float32", "bfloat16")
+
+
+def peak_name(dtype) -> str:
+    """The name of the matmul peak of `dtype` (a T5Config.dtype): what its workloads reach for."""
+    return f"matmul_peak_{jnp.dtype(dtype).name}"
+
+
 def matmul_probe(dtype, size: int) -> Probe:
-    """A size^3 matmul in the benchmark's dtype: the FLOP/s train and scoring can reach."""
+    """A size^3 matmul as the model runs it in `dtype`: float32, or bfloat16 inputs with float32
+    accumulation (model/precision.py). The FLOP/s train and scoring can reach."""
     keys = jax.random.split(jax.random.PRNGKey(0))
     a, b = (jax.random.normal(k, (size, size), dtype) for k in keys)
-    matmul = jax.jit(jnp.matmul)
-    shape = f"{size}^3 {jnp.dtype(dtype).name} matmul"
-    return Probe("matmul_peak", "FLOP/s", shape, lambda: matmul(a, b), 2.0 * size**3)
+    matmul = jax.jit(functools.partial(jnp.matmul, preferred_element_type=jnp.float32))
+    name = jnp.dtype(dtype).name
+    shape = f"{size}^3 {name} matmul" + (", float32 accumulation" if name != "float32" else "")
+    return Probe(peak_name(dtype), "FLOP/s", shape, lambda: matmul(a, b), 2.0 * size**3)
 
 
 def stream_probe(nbytes: int) -> Probe:
@@ -127,9 +135,11 @@ def gemv_probe(nbytes: int) -> Probe:
     return Probe("gemv_bandwidth", "B/s", shape, lambda: gemv(v, w), w.nbytes)
 
 
-def make_probes(dtype, matmul_size: int, memory_bytes: int) -> dict[str, Probe]:
-    """Every kind of probe, by name; their arrays stay allocated while the probes are kept."""
-    kinds = [matmul_probe(dtype, matmul_size), stream_probe(memory_bytes), gemv_probe(memory_bytes)]
+def make_probes(matmul_size: int, memory_bytes: int) -> dict[str, Probe]:
+    """Every kind of probe, by name (the matmul peak of each of PEAK_DTYPES); their arrays stay
+    allocated while the probes are kept."""
+    peaks = [matmul_probe(dtype, matmul_size) for dtype in PEAK_DTYPES]
+    kinds = [*peaks, stream_probe(memory_bytes), gemv_probe(memory_bytes)]
     return {kind.name: kind for kind in kinds}
 
 
@@ -154,11 +164,12 @@ def bandwidth(limits: dict) -> Limit:
 def decode_step_bytes(config, batch: int, input_length: int, new_tokens: int, beams: int = 1):
     """The bytes one decoding step must read at least, by part (each read once per step):
 
-    - decoder weights, float32: per layer the self-attention query/key/value/output kernels, the
-      cross-attention query and output kernels (its key/value kernels project the encoder output
-      once, into the cache, and are not read again), the feed-forward kernels and three norm
-      scales; then the final norm and the relative-position bias table;
-    - the output layer, float32: logits_dense [emb, vocab], or the embedding when tied (T5 1.0);
+    - decoder weights, in the activation dtype (decoding casts them once): per layer the
+      self-attention query/key/value/output kernels, the cross-attention query and output
+      kernels (its key/value kernels project the encoder output once, into the cache, and are
+      not read again), the feed-forward kernels and three norm scales; then the final norm and
+      the relative-position bias table;
+    - the output layer, likewise: logits_dense [emb, vocab], or the embedding when tied (T5 1.0);
     - embedding rows: one [emb] row per hypothesis for the token fed in (when the embedding is
       also the output layer, the whole table is counted there instead);
     - self-attention keys and values: per layer, hypothesis and head, one row per position
@@ -175,12 +186,12 @@ def decode_step_bytes(config, batch: int, input_length: int, new_tokens: int, be
     layer = 4 * d * inner + 2 * d * inner + mlp + 3 * d
     relpos = config.relative_attention_num_buckets * config.num_heads
     rows = batch * beams
-    cache_item = jnp.dtype(config.activation_dtype).itemsize
+    item = jnp.dtype(config.activation_dtype).itemsize  # weights and caches alike
     tied = config.logits_via_embedding
     return {
-        "decoder_weights": WEIGHT_BYTES * (layers * layer + d + relpos),
-        "output_layer": WEIGHT_BYTES * d * config.vocab_size,
-        "embedding_rows": 0 if tied else WEIGHT_BYTES * rows * d,
-        "self_attention_cache": cache_item * 2 * layers * rows * inner * (new_tokens + 1) / 2,
-        "cross_attention_cache": cache_item * 2 * layers * batch * inner * input_length,
+        "decoder_weights": item * (layers * layer + d + relpos),
+        "output_layer": item * d * config.vocab_size,
+        "embedding_rows": 0 if tied else item * rows * d,
+        "self_attention_cache": item * 2 * layers * rows * inner * (new_tokens + 1) / 2,
+        "cross_attention_cache": item * 2 * layers * batch * inner * input_length,
     }

@@ -9,7 +9,7 @@ import platform
 
 import jax
 
-from t5tpu.bench.names import HF, OURS, WORKLOADS
+from t5tpu.bench.names import FLOAT32, HF, OURS, REFERENCES, WORKLOADS
 
 
 def throughput(seconds: float, batch: int, tokens_per_example: int) -> dict:
@@ -99,21 +99,24 @@ def machine_info() -> dict:
 
 
 def ratios(results: list[dict]) -> list[dict]:
-    """t5tpu/HF throughput ratios for every workload measured on both sides."""
+    """t5tpu's throughput over each reference's (HF's, the float32 model's) for every workload
+    measured on both sides."""
     by_key = {(r["workload"], r.get("impl")): r for r in results}
     out = []
     for workload in WORKLOADS:
-        ours, theirs = by_key.get((workload, OURS)), by_key.get((workload, HF))
-        if ours and theirs:
-            metric = "new_tokens_per_s" if "new_tokens_per_s" in ours else "tokens_per_s"
-            out.append(
-                {
-                    "workload": workload,
-                    "impl": f"{OURS}/{HF}",
-                    "metric": metric,
-                    "ratio": ours[metric] / theirs[metric],
-                }
-            )
+        ours = by_key.get((workload, OURS))
+        for reference in REFERENCES:
+            theirs = by_key.get((workload, reference))
+            if ours and theirs:
+                metric = "new_tokens_per_s" if "new_tokens_per_s" in ours else "tokens_per_s"
+                out.append(
+                    {
+                        "workload": workload,
+                        "impl": f"{OURS}/{reference}",
+                        "metric": metric,
+                        "ratio": ours[metric] / theirs[metric],
+                    }
+                )
     return out
 
 
@@ -121,7 +124,7 @@ def derived(results: list[dict]) -> list[dict]:
     """Beam vs greedy time per token; input pipeline vs train-step consumption."""
     by_key = {(r["workload"], r.get("impl")): r for r in results}
     out = []
-    for impl in (OURS, HF):
+    for impl in (OURS, *REFERENCES):
         greedy, beam = by_key.get(("greedy", impl)), by_key.get(("beam", impl))
         if greedy and beam:
             ratio = beam["seconds_per_token"] / greedy["seconds_per_token"]
@@ -145,10 +148,10 @@ PIPELINE_LIMIT = "none: the host input pipeline has no machine limit here; see p
 
 
 def summary(results: list[dict]) -> list[dict]:
-    """--json's lines: one per workload measured, t5tpu's figures with HF's beside them when
-    compared. tokens_per_s counts new tokens for decoding (the encoder pass included in the
-    time); step_ms is a train or scoring step, one decoding step (the encoder pass left out), or
-    one pipeline batch."""
+    """--json's lines: one per workload measured, t5tpu's figures with HF's and the float32
+    model's beside them when compared. tokens_per_s counts new tokens for decoding (the encoder
+    pass included in the time); step_ms is a train or scoring step, one decoding step (the
+    encoder pass left out), or one pipeline batch."""
     by_key = {(r["workload"], r.get("impl")): r for r in results}
     lines = []
     for workload in WORKLOADS:
@@ -158,17 +161,24 @@ def summary(results: list[dict]) -> list[dict]:
         line = {
             "workload": workload,
             "tokens_per_s": _tokens_per_s(ours),
-            "step_ms": ours["step_ms"] if "step_ms" in ours else ours["seconds_per_step"] * 1e3,
+            "step_ms": _step_ms(ours),
             "fraction_of_limit": ours.get("fraction_of_limit"),
             "limit": ours.get("limit", PIPELINE_LIMIT),
         }
         line |= {k: ours[k] for k in SUMMARY_EXTRAS if k in ours}
-        theirs = by_key.get((workload, HF))
-        if theirs is not None:
-            line["hf_tokens_per_s"] = _tokens_per_s(theirs)
-            line["hf_ratio"] = line["tokens_per_s"] / line["hf_tokens_per_s"]
+        for reference, prefix in ((HF, "hf"), (FLOAT32, "float32")):
+            theirs = by_key.get((workload, reference))
+            if theirs is not None:
+                line[f"{prefix}_tokens_per_s"] = _tokens_per_s(theirs)
+                if reference == FLOAT32:  # HF's decoding has no step time of its own
+                    line[f"{prefix}_step_ms"] = _step_ms(theirs)
+                line[f"{prefix}_ratio"] = line["tokens_per_s"] / line[f"{prefix}_tokens_per_s"]
         lines.append(line)
     return lines
+
+
+def _step_ms(result: dict) -> float:
+    return result["step_ms"] if "step_ms" in result else result["seconds_per_step"] * 1e3
 
 
 def _tokens_per_s(result: dict) -> float:

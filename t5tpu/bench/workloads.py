@@ -4,6 +4,8 @@ them all, beside their Hugging Face counterparts when asked."""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -14,8 +16,8 @@ import numpy as np
 
 from t5tpu.bench import hf
 from t5tpu.bench.kernels import decode_step_dense, dense_probe, forward_dense
-from t5tpu.bench.limits import bandwidth, decode_step_bytes, make_probes, probe_all
-from t5tpu.bench.names import HF, OURS
+from t5tpu.bench.limits import bandwidth, decode_step_bytes, make_probes, peak_name, probe_all
+from t5tpu.bench.names import FLOAT32, HF, OURS
 from t5tpu.bench.report import (
     decode_result,
     dense_share,
@@ -31,7 +33,9 @@ from t5tpu.errors import UserError
 
 
 def build_model(args):
-    """The gin-configured EncoderDecoderModel with a stand-in vocabulary (ids only, EOS 1)."""
+    """The gin-configured EncoderDecoderModel with a stand-in vocabulary (ids only, EOS 1). The
+    model files' vocabulary (a gs:// file for T5 and mT5) is never read: the benchmark runs
+    offline."""
     import seqio
 
     from t5tpu.config import gin_setup
@@ -54,7 +58,9 @@ def build_model(args):
     except ValueError as e:
         raise UserError(f"bad gin config for the benchmark: {str(e).splitlines()[0]}") from None
     vocabulary = seqio.PassThroughVocabulary(config.vocab_size, eos_id=1)
-    return EncoderDecoderModel(config=config, vocabulary=vocabulary)
+    # Positionally: gin evaluates every bound keyword argument, the callers' too, and would
+    # load the model file's vocabulary before this one replaced it.
+    return EncoderDecoderModel(config, vocabulary)
 
 
 def random_batch(
@@ -134,6 +140,7 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
     batch = batches.to_global(batch, partitioner.batch_sharding())
     seed = jax.random.PRNGKey(1)
+    peak = peak_name(model.config.dtype)
     compiled, compile_s, cost = compile_seconds(step, state, batch, seed)
     flops = 3.0 * forward_flops(model.config, args.batch_size, *lengths)
     # The step runs on every device (data-parallel unless gin binds model partitions); the peak
@@ -152,7 +159,7 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
         return state, metrics
 
     def report(seconds: float, limits: dict) -> dict:
-        against_peak = peak_fraction(flops / devices, seconds, limits["matmul_peak"])
+        against_peak = peak_fraction(flops / devices, seconds, limits[peak])
         return {
             **throughput(seconds, args.batch_size, sum(lengths)),
             "compile_seconds": compile_s,
@@ -165,11 +172,12 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
             **xla_cost(cost),
         }
 
-    return Workload(run, report, probes=(probes["matmul_peak"], dense))
+    return Workload(run, report, probes=(probes[peak], dense))
 
 
 def bench_score(model, args, batch, probes: dict) -> Workload:
-    params = _random_params(model, args)
+    params = _inference_params(model, args)
+    peak = peak_name(model.config.dtype)
     features = {k: jnp.asarray(v) for k, v in batch.items()}
     compiled, compile_s, cost = compile_seconds(jax.jit(model.score), params, features)
     lengths = (args.input_length, args.target_length)
@@ -182,13 +190,12 @@ def bench_score(model, args, batch, probes: dict) -> Workload:
             **throughput(seconds, args.batch_size, sum(lengths)),
             "compile_seconds": compile_s,
             "flops_per_step": flops,
-            **peak_fraction(flops, seconds, limits["matmul_peak"]),
+            **peak_fraction(flops, seconds, limits[peak]),
             **dense_share(seconds, dense.work, limits["dense_matmuls"]),
             **xla_cost(cost),
         }
 
-    probes = (probes["matmul_peak"], dense)
-    return Workload(lambda: compiled(params, features), report, probes=probes)
+    return Workload(lambda: compiled(params, features), report, probes=(probes[peak], dense))
 
 
 def _decode_fns(model, length: int, num_beams: int, alpha: float):
@@ -212,7 +219,8 @@ def _decode_fns(model, length: int, num_beams: int, alpha: float):
 
 
 def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) -> Workload:
-    params = _random_params(model, args)
+    params = _inference_params(model, args)
+    peak = peak_name(model.config.dtype)
     length, batch = args.decode_length, len(inputs)
     whole, prefill = _decode_fns(model, length, num_beams, args.beam_alpha)
     tokens = jnp.asarray(inputs)
@@ -236,9 +244,7 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
             "compile_seconds": compile_s,
             "flops_per_batch": flops,
             "prefill_seconds": prefill,
-            **memory_floor(
-                loop / length, floor_bytes, bandwidth(limits), step_flops, limits["matmul_peak"]
-            ),
+            **memory_floor(loop / length, floor_bytes, bandwidth(limits), step_flops, limits[peak]),
             **dense_share(loop / length, dense.work, limits["dense_matmuls"]),
         }
 
@@ -248,7 +254,7 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
         report,
         parts={"prefill": run_prefill},
         # Both bandwidths, the peak for the compute floor, and the step's own dense matmuls.
-        probes=(*probes.values(), dense),
+        probes=(probes[peak], probes["stream_bandwidth"], probes["gemv_bandwidth"], dense),
     )
 
 
@@ -288,12 +294,20 @@ def _random_params(model, args):
     )
 
 
+def _inference_params(model, args):
+    """Random parameters in the activation dtype, cast once as inference and scoring do."""
+    from t5tpu.model import precision
+
+    return precision.cast_params(_random_params(model, args), model.config.activation_dtype)
+
+
 MODEL_WORKLOADS = ("train", "score", "greedy", "beam")  # those measured against a limit
 
 
-def make_limit_probes(args, config) -> dict:
-    """The probes of the machine's limits (bench_limits). The matmul is in the benchmark's
-    activation dtype; the memory probes read float32, as decoding reads the weights. Sizes:
+def make_limit_probes(args) -> dict:
+    """The probes of the machine's limits (bench_limits): the matmul peak of float32 and of
+    bfloat16 with float32 accumulation (each workload is set against its dtype's), and the
+    memory probes, which read float32. Sizes:
     matmul 2048 on CPU (the size that ran fastest there, docs/PERFORMANCE.md), 8192 on
     accelerators; memory probes of 256 MiB on CPU (far larger than a CPU's last-level cache),
     2 GiB on accelerators (they stay allocated through the run: --stream_mb makes them
@@ -301,13 +315,24 @@ def make_limit_probes(args, config) -> dict:
     cpu = jax.default_backend() == "cpu"
     size = args.matmul_size or (2048 if cpu else 8192)
     stream_mb = args.stream_mb or (256 if cpu else 2048)
-    return make_probes(config.activation_dtype, size, stream_mb * 2**20)
+    return make_probes(size, stream_mb * 2**20)
+
+
+def float32_twin(model):
+    """The same model in float32: what --compare_float32 sets a bfloat16 model against."""
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+
+    if model.config.dtype == "float32":
+        raise UserError("--compare_float32 needs a bfloat16 model: bind T5Config.dtype='bfloat16'")
+    config = dataclasses.replace(model.config, dtype="float32")
+    return EncoderDecoderModel(config, model.vocabulary)
 
 
 def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
-    """Measures every workload of `args` (each beside HF's with --compare_hf, alternating, so
-    load changes hit both alike), between probes of the machine's limits, then the ratios; every
-    result goes to `emit` as it comes."""
+    """Measures every workload of `args` (each beside HF's with --compare_hf and beside the
+    float32 model's with --compare_float32, alternating, so load changes hit all alike), between
+    probes of the machine's limits, then the ratios; every result goes to `emit` as it
+    comes."""
     results = []
 
     def record(result: dict) -> None:
@@ -320,38 +345,37 @@ def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
     decode_inputs = rng.integers(2, vocab, (args.decode_batch_size, args.input_length), np.int32)
     reference = hf.hf_model(model.config, model.config.dtype) if args.compare_hf else None
     measured = set(args.workloads) & set(MODEL_WORKLOADS)
-    probes = make_limit_probes(args, model.config) if measured else {}
+    probes = make_limit_probes(args) if measured else {}
 
     def probe_machine(when: str, suffix: str) -> None:
         for limit in probe_all(probes, args.limit_probes, args.limit_best, when).values():
             record(limit.record(suffix))
 
-    # (t5tpu's workload, HF's), each prepared only when its turn comes.
-    pairs = {
-        "train": (
-            lambda: bench_train(model, args, batch, probes),
-            lambda: hf.hf_train(reference, args, batch),
-        ),
-        "score": (
-            lambda: bench_score(model, args, batch, probes),
-            lambda: hf.hf_score(reference, args, batch),
-        ),
-        "greedy": (
-            lambda: bench_decode(model, args, decode_inputs, 1, probes),
-            lambda: hf.hf_decode(reference, args, decode_inputs, 1),
-        ),
-        "beam": (
-            lambda: bench_decode(model, args, decode_inputs, args.num_beams, probes),
-            lambda: hf.hf_decode(reference, args, decode_inputs, args.num_beams),
-        ),
+    # Each workload's implementations, each prepared only when its turn comes.
+    models = {OURS: model}
+    if args.compare_float32:
+        models[FLOAT32] = float32_twin(model)
+    sides = {
+        "train": lambda m: bench_train(m, args, batch, probes),
+        "score": lambda m: bench_score(m, args, batch, probes),
+        "greedy": lambda m: bench_decode(m, args, decode_inputs, 1, probes),
+        "beam": lambda m: bench_decode(m, args, decode_inputs, args.num_beams, probes),
     }
+    hf_sides = {
+        "train": lambda: hf.hf_train(reference, args, batch),
+        "score": lambda: hf.hf_score(reference, args, batch),
+        "greedy": lambda: hf.hf_decode(reference, args, decode_inputs, 1),
+        "beam": lambda: hf.hf_decode(reference, args, decode_inputs, args.num_beams),
+    }
+    repetitions = (args.warmup, args.steps, args.limit_best)
     if probes:
         probe_machine("probes before the workloads", "")
     for workload in (w for w in MODEL_WORKLOADS if w in measured):
-        ours, theirs = pairs[workload]
-        prepared = [ours()] + ([theirs()] if reference is not None else [])
-        reports = measure(prepared, args.warmup, args.steps, args.limit_best)
-        for impl, fields in zip((OURS, HF), reports, strict=False):
+        impls = {impl: functools.partial(sides[workload], m) for impl, m in models.items()}
+        if reference is not None:
+            impls[HF] = hf_sides[workload]
+        reports = measure([prepare() for prepare in impls.values()], *repetitions)
+        for impl, fields in zip(impls, reports, strict=True):
             record({"workload": workload, "impl": impl, **fields})
     if "pipeline" in args.workloads:
         record({"workload": "pipeline", "impl": OURS, **bench_pipeline(args)})

@@ -26,13 +26,17 @@ SUMMARY = "speed of a model's train step, scoring and decoding (optionally again
 EXAMPLE = "t5tpu bench --gin_file=configs/models/t5_1_1/small.gin --compare_hf"
 _DESCRIPTION = """\
 Measure how fast the model of the gin files trains, scores and decodes on whatever backend JAX \
-finds, with random weights and random token ids (no vocabulary needed). One JSON line per \
-result, then a table; with --json, only one JSON line per workload.
+finds, with random weights and random token ids (no vocabulary is read: it runs offline). \
+T5Config.dtype picks the precision (--gin.T5Config.dtype="'float32'" or "'bfloat16'": bfloat16 \
+matmul inputs with float32 accumulation, float32 master weights in training, weights cast to \
+bfloat16 once for scoring and decoding). One JSON line per result, then a table; with --json, \
+only one JSON line per workload.
 
 First the machine's limits, each probed --limit_probes times in this run and taken as the median \
-of the best --limit_best: the FLOP/s of a large matmul in the model's dtype, and the memory \
-bandwidth of a streaming sum and of a 1-row GEMV. Every workload reports fraction_of_limit \
-against them. train: one jit'd train step: compile seconds, median seconds/step after warm-up, \
+of the best --limit_best: the FLOP/s of a large matmul in float32 and in bfloat16 with float32 \
+accumulation, and the memory bandwidth of a streaming sum and of a 1-row GEMV. Every workload \
+reports fraction_of_limit against them (train and score against the peak of the model's \
+dtype). train: one jit'd train step: compile seconds, median seconds/step after warm-up, \
 tokens/s, and achieved FLOP/s over the matmul peak. score: forward pass and per-example \
 log-likelihood, tokens/s, FLOP/s over the peak. greedy, beam: decoding exactly --decode_length \
 new tokens (EOS never stops it), seconds per batch, new tokens/s, and the memory floor of a step \
@@ -65,6 +69,11 @@ def parser() -> ToolParser:
     p.add_argument("--warmup", type=int, default=2, help="untimed repetitions before them")
     p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset")
     p.add_argument("--compare_hf", action="store_true", help="also run HF PyTorch T5")
+    p.add_argument(
+        "--compare_float32",
+        action="store_true",
+        help="also run the bfloat16 model in float32, alternating (bfloat16/float32 ratios)",
+    )
     p.add_argument("--matmul_size", type=int, default=None, help="peak probe (CPU 2048, else 8192)")
     p.add_argument(
         "--stream_mb", type=int, default=None, help="bandwidth probes' MiB (CPU 256, else 2048)"
@@ -120,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
     from t5tpu.bench import report, workloads
 
     model = workloads.build_model(args)  # gin files parsed before anything is written
+    if args.compare_float32:
+        workloads.float32_twin(model)  # refused before anything is written
     output = open(args.output, "a") if args.output else None  # noqa: SIM115
 
     def emit(result: dict) -> None:
@@ -131,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
             output.flush()
 
     try:
-        emit(report.machine_info() | {"args": vars(args)})
+        emit(report.machine_info() | {"dtype": model.config.dtype, "args": vars(args)})
         results = workloads.run_workloads(args, emit, model)
         emit({"workload": "machine_end", "load_average_1m": os.getloadavg()[0]})
     finally:
