@@ -227,6 +227,29 @@ def test_two_shards_write_the_file_of_one_run(model_dir, inputs, reference, tmp_
 
 
 @pytest.mark.slow
+def test_in_bfloat16_the_file_is_the_same_whatever_the_chunks_shards_and_batch(
+    model_dir, inputs, tmp_path
+):
+    bf16 = "--gin.T5Config.dtype='bfloat16'"
+    whole = tmp_path / "whole"
+    succeeded(t5tpu("infer", *_flags(model_dir, inputs, whole, bf16)))
+    split = tmp_path / "split"
+    for shard in (0, 1):
+        succeeded(
+            t5tpu(
+                "infer",
+                *_flags(model_dir, inputs, split, bf16),
+                "--gin.INFER_CHUNK_SIZE=50",
+                "--gin.INFER_BATCH_SIZE=4",
+                "--gin.INFER_NUM_SHARDS=2",
+                f"--gin.INFER_SHARD_ID={shard}",
+            )
+        )
+    assert _result(split).read_bytes() == _result(whole).read_bytes()
+    assert "T5Config.dtype = 'bfloat16'" in (whole / "infer_config.gin").read_text()
+
+
+@pytest.mark.slow
 def test_sigterm_saves_the_chunks_exits_0_and_a_rerun_continues(
     model_dir, inputs, reference, tmp_path
 ):
