@@ -359,13 +359,10 @@ class Engine:
         inputs, decoder_inputs = np.pad(inputs, pad), np.pad(decoder_inputs, pad)
         shape = (size, inputs.shape[1], decoder_inputs.shape[1])
         program = self._program(("logits",), None, shape, self._build_logits)
-        out = [
-            np.asarray(
-                program(self.params, *(self._put(a[i : i + size], batch=True) for a in arrays))
-            )
-            for i in range(0, total, size)
-            for arrays in [(inputs, decoder_inputs)]
-        ]
+        out = []
+        for start in range(0, total, size):
+            turn = (inputs[start : start + size], decoder_inputs[start : start + size])
+            out.append(np.asarray(program(self.params, *(self._put(a, batch=True) for a in turn))))
         return np.concatenate(out)[:rows]
 
     # --- programs ---------------------------------------------------------------------------
