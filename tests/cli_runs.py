@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import pathlib
+import re
 import socket
 import subprocess
 import sys
@@ -45,6 +46,19 @@ def succeeded(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     """The run, once it has exited 0 (else its stderr's end is the failure message)."""
     assert run.returncode == 0, run.stderr[-3000:]
     return run
+
+
+# C++ log lines of TensorFlow, absl or XLA (glog's "I0000 00:00:..." prefix) and the notices
+# TensorFlow prints at import: no t5tpu command, nor t5tpu's Python API, lets one reach stderr.
+FOREIGN_LOG = re.compile(
+    r"^[IWEF]\d{4} \d\d:\d\d:\d\d|oneDNN|cuInit|cudart|cuDNN|cuBLAS|absl::InitializeLog"
+    r"|tensorflow/(core|tsl|compiler)|\.cc:\d+\]"
+)
+
+
+def foreign_log_lines(stderr: str) -> list[str]:
+    """The lines of `stderr` that TensorFlow's or absl's C++ logging wrote (FOREIGN_LOG)."""
+    return [line for line in stderr.splitlines() if FOREIGN_LOG.search(line)]
 
 
 def run_together(argvs: list[list[str]], env=None, timeout=600) -> list:

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from cli_runs import ROOT, TINY_EXPERIMENT, read_jsonl, succeeded, t5tpu
+from cli_runs import ROOT, TINY_EXPERIMENT, foreign_log_lines, read_jsonl, succeeded, t5tpu
 from t5tpu.tasks import quora, squad
 
 from t5tpu import api
@@ -123,7 +123,8 @@ def test_predict_iter_streams_what_predict_returns(model):
 def hf_dir(model_dir, tmp_path_factory) -> str:
     """The trained model exported with `t5tpu convert --to=hf`."""
     folder = str(tmp_path_factory.mktemp("api_hf") / "hf")
-    succeeded(t5tpu("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={folder}"))
+    run = succeeded(t5tpu("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={folder}"))
+    assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     return folder
 
 

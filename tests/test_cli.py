@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from cli_runs import ROOT, cli_command, file_digests, t5tpu
+from cli_runs import ROOT, cli_command, file_digests, foreign_log_lines, t5tpu
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
 
 MEMORIZE_TASK = os.path.join(ROOT, "tests", "data", "memorize_task.py")
@@ -44,6 +44,7 @@ def trained_dir(tmp_path_factory):
         model_dir=model_dir,
     )
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     return model_dir, run.stdout
 
 
@@ -69,6 +70,7 @@ def test_greedy_decoding_reproduces_every_training_target(trained_dir):
     model_dir, _ = trained_dir
     run = t5tpu("eval", *memorize_flags(), model_dir=model_dir)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     # The memorized pairs are the task's train split, kept apart from validation results.
     metrics = json.loads(pathlib.Path(f"{model_dir}/eval_train_metrics.json").read_text())
     assert metrics[str(STEPS)]["memorize_similar_questions"]["exact_match"] == 100.0
@@ -78,6 +80,7 @@ def test_greedy_decoding_reproduces_every_training_target(trained_dir):
 
     run = t5tpu("infer", *memorize_flags(), model_dir=model_dir)
     assert run.returncode == 0, run.stderr[-3000:]
+    assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     path = os.path.join(model_dir, "inference", f"memorize_similar_questions_train-{STEPS}.jsonl")
     rows = [json.loads(line) for line in pathlib.Path(path).read_text().splitlines()]
     assert len(rows) == 32

@@ -14,34 +14,88 @@ first attribute read (`tf.data`, `seqio.get_mixture_or_task`). Annotations only 
 
 from __future__ import annotations
 
+import contextlib
+import importlib.abc
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 
 
 def import_tensorflow_quietly() -> ModuleType:
-    """TensorFlow, imported with file descriptor 2 muted: it prints CUDA-probing lines from C++
-    at import, which TF_CPP_MIN_LOG_LEVEL no longer silences. An import error still raises
-    normally once stderr is back. Kept off accelerators, which jax owns. Once imported (by
-    this or by the caller's own code), it is returned as it is: its devices can be set only
-    before it first runs."""
-    if "tensorflow" in sys.modules:
-        return sys.modules["tensorflow"]
+    """TensorFlow, imported as quiet_tensorflow_imports() makes every first import of it. Once
+    imported (by this or by the caller's own code), it is returned as it is."""
+    quiet_tensorflow_imports()
+    import tensorflow
+
+    return tensorflow
+
+
+def quiet_tensorflow_imports() -> None:
+    """Makes the process's first `import tensorflow`, by anyone (seqio, tfds, etils' gs://
+    client, the user), quiet: it runs with file descriptor 2 muted, since TensorFlow's C++ prints
+    oneDNN and CUDA-probing lines at import before any log level is read, and then keeps
+    TensorFlow off accelerators, which jax owns. An import error still raises normally once
+    stderr is back. Called when t5tpu is imported; does nothing once TensorFlow is."""
+    # Its C++ logging below ERROR once running (GCS credential probes, tf.data notices) stays
+    # off too; a user's own setting wins.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    if "tensorflow" not in sys.modules and _QUIET_FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _QUIET_FINDER)
+
+
+@contextlib.contextmanager
+def _stderr_muted() -> Iterator[None]:
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)
     try:
         os.dup2(devnull, 2)
-        import tensorflow
-
-        tensorflow.config.set_visible_devices([], "GPU")
+        yield
     finally:
         os.dup2(saved, 2)
         os.close(devnull)
         os.close(saved)
-    return tensorflow
+
+
+class _QuietTensorFlowFinder(importlib.abc.MetaPathFinder):
+    """Finds `tensorflow` as the other finders do, with a loader that runs it quietly. It stays
+    in place until TensorFlow is imported: a mere lookup (etils asks whether it is installed)
+    must not use it up."""
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != "tensorflow":
+            return None
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            if finder is self or find is None:
+                continue
+            spec = find(fullname, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _QuietLoader(spec.loader)
+                return spec
+        return None
+
+
+class _QuietLoader(importlib.abc.Loader):
+    def __init__(self, loader: importlib.abc.Loader):
+        self._loader = loader
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        # TensorFlow sees its own loader, as if this one had never been there.
+        module.__loader__ = module.__spec__.loader = self._loader
+        with _stderr_muted():
+            self._loader.exec_module(module)
+            module.config.set_visible_devices([], "GPU")
+        if _QUIET_FINDER in sys.meta_path:
+            sys.meta_path.remove(_QUIET_FINDER)
+
+
+_QUIET_FINDER = _QuietTensorFlowFinder()
 
 
 def _import_seqio() -> ModuleType:

@@ -17,6 +17,7 @@ from typing import TypeVar
 from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
+from t5tpu.runtime import lazy_imports
 
 # How long storage may take to answer one question before it counts as unreachable.
 STORAGE_ANSWER_SECONDS = float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
@@ -42,6 +43,9 @@ def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
     Errors of the client other than a missing file come back as one UserError naming `path`."""
     if not is_remote(path):
         return ask()
+    # epath's gs:// client is TensorFlow's: imported here, whose quiet import mutes stderr, not
+    # in the thread, where an import slower than the deadline would mute the line that says so.
+    lazy_imports.import_tensorflow_quietly()
     answer: dict = {}
 
     def run() -> None:
