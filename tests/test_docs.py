@@ -1,11 +1,16 @@
-"""docs/MACROS.md against the command table: its macro table is the one `help_text.macro_table()`
+"""The docs against the code they describe.
+
+docs/MACROS.md against the command table: its macro table is the one `help_text.macro_table()`
 renders from t5tpu/cli/commands.py (what every command's --help lists, itself checked against
 the run files in test_help.py), so no macro is missing, none is listed that no command reads, and
-every default is the command's."""
+every default is the command's. docs/ARCHITECTURE.md against the tree and the imports: every
+module it names exists, every module is named, and its layers are the import graph's."""
 
 import os
+import pathlib
 import re
 
+import test_architecture
 from cli_runs import ROOT
 
 from t5tpu.cli import commands, help_text
@@ -60,3 +65,110 @@ def test_the_generated_table_has_a_row_per_macro_and_a_cell_per_command():
         for command in readers:
             (macro,) = [m for m in command.macros if m.name == name]
             assert macro.meaning in cells[-1]
+
+
+DOCS = pathlib.Path(ROOT) / "docs"
+
+
+def _indented_block(text: str, after: str) -> list[str]:
+    """The lines of the first indented (4-space) block after the line that starts with `after`."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(after))
+    block = []
+    for line in lines[start + 1 :]:
+        if line.startswith("    "):
+            block.append(line[4:])
+        elif block:
+            break
+    return block
+
+
+def _architecture_tree() -> dict[str, str]:
+    """ARCHITECTURE.md's folder tree: each entry's path ('tasks/', 't5tpu/cli/',
+    't5tpu/errors.py') -> its text, continuation lines included. An entry is a name ending in
+    '/' or '.py' indented two spaces a level; its text is what follows, on its line and below."""
+    entries: dict[str, str] = {}
+    parents: list[str] = []
+    path = None
+    for line in _indented_block((DOCS / "ARCHITECTURE.md").read_text(), "Every module"):
+        match = re.match(r"((?:  )*)(\S+(?:/|\.py))(?:\s{2,}(.*))?$", line)
+        if match and len(match.group(1)) <= 2 * len(parents):
+            parents = parents[: len(match.group(1)) // 2]
+            path = "".join(parents) + match.group(2)
+            entries[path] = match.group(3) or ""
+            if path.endswith("/"):
+                parents.append(match.group(2))
+        else:
+            entries[path] += " " + line.strip()
+    return entries
+
+
+def _folders_and_modules() -> tuple[set[str], set[str]]:
+    """The tree: t5tpu/'s and tasks/' packages as 't5tpu/cli/' and their modules as
+    't5tpu/cli/main.py' (tasks/ and configs/ included as folders)."""
+    folders, modules = {"configs/"}, set()
+    for top in ("t5tpu", "tasks"):
+        for path in (pathlib.Path(ROOT) / top).rglob("*.py"):
+            relative = path.relative_to(ROOT).as_posix()
+            folders.add(relative.rpartition("/")[0] + "/")
+            modules.add(relative)
+    return folders, modules
+
+
+def test_the_architecture_names_only_modules_that_exist():
+    _, modules = _folders_and_modules()
+    for path, text in _architecture_tree().items():
+        assert os.path.exists(os.path.join(ROOT, path)), f"docs/ARCHITECTURE.md: no {path}"
+        if path == "configs/":
+            for folder in re.findall(r"\b(\w+)/", text):
+                assert os.path.isdir(os.path.join(ROOT, path, folder)), f"no configs/{folder}/"
+        elif path.endswith("/"):
+            for name in re.findall(r"\b(\w+\.py)\b", text):
+                assert path + name in modules, f"docs/ARCHITECTURE.md: no {path}{name}"
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    packages = {"t5tpu.tasks": "tasks", "t5tpu.configs": "configs"}
+    for dotted in re.findall(r"\bt5tpu(?:\.\w+)+", text):
+        top = next((packages[p] for p in packages if dotted.startswith(p)), None)
+        base = top + dotted.removeprefix(f"t5tpu.{top}") if top else dotted
+        file = os.path.join(ROOT, *base.split("."))
+        assert os.path.isdir(file) or os.path.exists(file + ".py"), f"no module {dotted}"
+
+
+def test_the_architecture_names_every_folder_and_module():
+    folders, modules = _folders_and_modules()
+    tree = _architecture_tree()
+    assert folders <= set(tree), f"add to docs/ARCHITECTURE.md: {sorted(folders - set(tree))}"
+    configs = set(re.findall(r"\b(\w+)/", tree["configs/"]))
+    assert configs == {p.name for p in (pathlib.Path(ROOT) / "configs").iterdir() if p.is_dir()}
+    named = {
+        folder + name
+        for folder, text in tree.items()
+        if folder.endswith("/")
+        for name in re.findall(r"\b(\w+\.py)\b", text)
+    }
+    unnamed = sorted(m for m in modules - named - set(tree) if not m.endswith("/__init__.py"))
+    assert not unnamed, f"name these in docs/ARCHITECTURE.md: {unnamed}"
+
+
+def _layers() -> list[set[str]]:
+    """ARCHITECTURE.md's layers, top first, as test_architecture's units ('t5tpu.cli')."""
+    text = (DOCS / "ARCHITECTURE.md").read_text()
+    return [
+        {"t5tpu" if n == "t5tpu" else f"t5tpu.{n.removesuffix('.py')}" for n in line.split(", ")}
+        for line in _indented_block(text, "Imports point down")
+    ]
+
+
+def test_the_architecture_layers_are_the_import_graph():
+    layers = _layers()
+    layer_of = {unit: i for i, layer in enumerate(layers) for unit in layer}
+    units = {test_architecture._unit(m) for m in test_architecture._modules()}
+    assert sum(len(layer) for layer in layers) == len(layer_of), "a unit in two layers"
+    assert set(layer_of) == units, (set(layer_of) ^ units, "docs/ARCHITECTURE.md's layers")
+    upward = sorted(
+        (source, target)
+        for source, targets in test_architecture._unit_graph().items()
+        for target in targets
+        if layer_of[target] <= layer_of[source]
+    )
+    assert not upward, f"imports not pointing down docs/ARCHITECTURE.md's layers: {upward}"
