@@ -4,11 +4,14 @@ docs/MACROS.md against the command table: its macro table is the one `help_text.
 renders from t5tpu/cli/commands.py (what every command's --help lists, itself checked against
 the run files in test_help.py), so no macro is missing, none is listed that no command reads, and
 every default is the command's. docs/ARCHITECTURE.md against the tree and the imports: every
-module it names exists, every module is named, and its layers are the import graph's."""
+module it names exists, every module is named, and its layers are the import graph's.
+docs/PERFORMANCE.md stays short, and every command in it runs something that exists. A doc's
+section named elsewhere ('docs/X.md, "Section"') is one of its headings."""
 
 import os
 import pathlib
 import re
+import shlex
 
 import test_architecture
 from cli_runs import ROOT
@@ -172,3 +175,67 @@ def test_the_architecture_layers_are_the_import_graph():
         if layer_of[target] <= layer_of[source]
     )
     assert not upward, f"imports not pointing down docs/ARCHITECTURE.md's layers: {upward}"
+
+
+PERFORMANCE_LIMIT = 15_000
+
+
+def test_performance_notes_stay_short():
+    size = len((DOCS / "PERFORMANCE.md").read_text(encoding="utf-8"))
+    assert size <= PERFORMANCE_LIMIT, f"docs/PERFORMANCE.md: {size} characters"
+
+
+def _fenced_commands(text: str) -> list[list[str]]:
+    """The commands of the fenced code blocks, continuation lines joined, comments dropped."""
+    commands_ = []
+    for block in re.findall(r"^```\w*\n(.*?)^```", text, re.M | re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            words = shlex.split(line, comments=True)
+            while words and (re.match(r"\w+=", words[0]) or words[0] == "/usr/bin/time"):
+                words = words[1:]
+            if words:
+                commands_.append(words)
+    return commands_
+
+
+def _check_t5tpu(words: list[str]) -> None:
+    command = commands.find(words[1])
+    assert command is not None, words
+    flags = [w.split("=")[0] for w in words[2:] if w.startswith("--")]
+    if command.name in commands.GIN_COMMANDS:
+        assert all(f.startswith("--gin") for f in flags), words
+    else:
+        known = command.module.parser()._option_string_actions
+        assert all(f in known or f.startswith("--gin.") for f in flags), words
+
+
+def _check_script(words: list[str]) -> None:
+    path = os.path.join(ROOT, words[1])
+    assert os.path.isfile(path), words
+    source = pathlib.Path(path).read_text()
+    for flag in (w.split("=")[0] for w in words[2:] if w.startswith("--")):
+        assert flag.startswith("--gin.") or f'"{flag}"' in source, (flag, words)
+
+
+def test_every_performance_command_runs_something_that_exists():
+    found = _fenced_commands((DOCS / "PERFORMANCE.md").read_text())
+    assert len(found) >= 5
+    for words in found:
+        program = os.path.basename(words[0])
+        if program == "t5tpu":
+            _check_t5tpu(words)
+        elif program in ("python", "bash"):
+            _check_script(words)
+        else:
+            assert program == "pip" and words[1] == "install", words
+
+
+def test_every_named_doc_section_is_a_heading():
+    named = re.compile(r"\b(\w+)\.md[,:]? \(?\"([^\"\n]+)\"")
+    for top in ("t5tpu", "tasks", "configs", "docs", "scripts", "tests"):
+        for path in (pathlib.Path(ROOT) / top).rglob("*"):
+            if path.suffix not in (".py", ".md", ".gin", ".sh") or path.name == "test_docs.py":
+                continue
+            for doc, section in named.findall(path.read_text(encoding="utf-8")):
+                headings = re.findall(r"^#+ (.*)$", (DOCS / f"{doc}.md").read_text(), re.M)
+                assert any(h.startswith(section) for h in headings), (str(path), doc, section)

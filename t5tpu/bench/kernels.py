@@ -5,7 +5,7 @@ with nothing else around them (no attention, norms, softmax, optimizer, cache up
 The machine's limits (bench_limits) say what the hardware could do; this says what XLA's own
 matmul kernels do at the model's shapes. The two differ most where it matters for decoding: a
 few-row float32 matmul on CPU reads its weights well below the memory's rate and computes well
-below the large matmul's peak (docs/PERFORMANCE.md, "Where a step's time goes"). A step's time
+below the large matmul's peak (docs/PERFORMANCE.md, "Changes"). A step's time
 is then its dense matmuls' time (`dense_matmul_ms`) plus what the rest of the step adds;
 `dense_share` is the first over the step.
 

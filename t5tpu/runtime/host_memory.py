@@ -5,7 +5,7 @@ for a train step) from a worker thread. glibc serves such a block from a thread'
 up to 64 MB, so it maps fresh pages for it and unmaps them on free: every step then faults in
 and zero-fills all of them again, in kernel time. With one arena (the main one, which grows
 without that limit), no mmap below 2 GiB and no trimming, a step reuses the previous step's
-pages instead (docs/PERFORMANCE.md, "Page faults", has the measurements).
+pages instead (docs/PERFORMANCE.md, "Changes", has the measurements).
 
 The cost is that the process keeps its peak heap instead of returning freed memory to the
 kernel, which a training or decoding process reaches within a step anyway.
