@@ -37,15 +37,22 @@ def bucket_of(path: str) -> str:
     return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
+def _epath_uses_tensorflow() -> bool:
+    """Whether epath asks remote storage through TensorFlow: unless etils' own switch,
+    EPATH_USE_TF, says no (then through fsspec's gcsfs)."""
+    return os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0")
+
+
 def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
     """`ask()`, run in a daemon thread for a remote `path` so that a client that keeps retrying
     is abandoned after STORAGE_ANSWER_SECONDS with one line; local paths are asked directly.
     Errors of the client other than a missing file come back as one UserError naming `path`."""
     if not is_remote(path):
         return ask()
-    # epath's gs:// client is TensorFlow's: imported here, whose quiet import mutes stderr, not
-    # in the thread, where an import slower than the deadline would mute the line that says so.
-    lazy_imports.import_tensorflow_quietly()
+    if _epath_uses_tensorflow():
+        # Imported here, not in the thread: its quiet import mutes stderr, and an import slower
+        # than the deadline would mute the line that says so.
+        lazy_imports.import_tensorflow_quietly()
     answer: dict = {}
 
     def run() -> None:
