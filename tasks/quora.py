@@ -21,10 +21,10 @@ import os
 
 import gin
 import numpy as np
-from t5tpu.tasks import metrics, registry
+from t5tpu.tasks import metrics, quora_csv, registry
 
 from t5tpu import package_files
-from t5tpu.data import availability, quora_csv
+from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import remote, user_files
