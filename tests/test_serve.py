@@ -733,6 +733,9 @@ def test_routes_a_users_module_adds_are_served_as_declared(stand_in, monkeypatch
     ]:
         got, _, content = request(port, "POST", "/v1/shout", body)
         assert (got, message in content["error"]) == (status, True), content
+    body = {"instances": ["a"], "parameters": {"task": "loud"}}
+    got, _, content = request(port, "POST", "/v1/predict", body)
+    assert got == 400 and "no task here formats /v1/predict's input" in content["error"]
     got, _, content = request(port, "POST", "/v1/whisper", {"instances": [{"word": "a"}]})
     assert got == 404 and "/v1/shout" in content["error"] and "/v1/whisper" in content["error"]
     text = request(port, "GET", "/metrics")[2]

@@ -274,8 +274,14 @@ def choose(offers: Sequence[Route], task: str | None, where: str) -> Route:
     for route in offers:
         if route.task == task:
             return route
-    tasks = ", ".join(route.task for route in offers) or "none here"
-    raise PayloadError(f"parameter {TASK}={json.dumps(task)} must be one of {tasks} ({where})")
+    given = f"parameter {TASK}={json.dumps(task)}"
+    if not offers:
+        raise PayloadError(
+            f"{given}: no task here formats {where}'s input; leave it out, or serve with the "
+            "gin files of a text-to-text task"
+        )
+    tasks = ", ".join(route.task for route in offers)
+    raise PayloadError(f"{given} must be one of {tasks} ({where})")
 
 
 def task_request(
