@@ -1,7 +1,7 @@
 """Writes the Quora sample that t5tpu ships: pairs 0..999, split into train and validation.
 
 Rows are copied byte for byte from the source file; which split a pair goes to is decided by
-`t5tpu.data.quora_csv.is_validation_pair`, so re-running this script gives identical files.
+`t5tpu.tasks.quora_csv.is_validation_pair`, so re-running this script gives identical files.
 
     python scripts/make_quora_sample.py [--source PATH] [--out_dir DIR]
 """
@@ -13,7 +13,7 @@ import sys
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, PROJECT_ROOT)  # lets the script run from a checkout without installing
 
-from t5tpu.data import quora_csv  # noqa: E402
+from t5tpu.tasks import quora_csv  # noqa: E402
 
 DEFAULT_SOURCE = os.path.join(
     PROJECT_ROOT, "..", "shared", "data", "quora", "quora_duplicate_questions_first8000.tsv"

@@ -17,7 +17,7 @@ import sentencepiece as spm
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, PROJECT_ROOT)  # lets the script run from a checkout without installing
 
-from t5tpu.data import quora_csv  # noqa: E402
+from t5tpu.tasks import quora_csv  # noqa: E402
 
 DEFAULT_SAMPLE_DIR = os.path.join(PROJECT_ROOT, "t5tpu", "assets", "quora_sample")
 DEFAULT_OUT = os.path.join(PROJECT_ROOT, "t5tpu", "assets", "cpu_vocab.model")

@@ -11,7 +11,8 @@ directory is `qqp_tfds_data_dir.path`. Every source is mapped to the same fields
 question2, is_duplicate) first, so the preprocessors after that are shared.
 
 Registered by `register`, which t5tpu.tasks.register_builtin_tasks calls once gin is parsed.
-`is_duplicate` and `similar_question` ask a model trained on these tasks, in the tasks' words.
+`is_duplicate` and `similar_question` ask a model trained on these tasks, in the tasks' words;
+`routes` offers the same questions to `t5tpu serve`.
 """
 
 from __future__ import annotations
@@ -21,10 +22,10 @@ import os
 
 import gin
 import numpy as np
-from t5tpu.tasks import metrics, registry
+from t5tpu.tasks import metrics, quora_csv, registry, serving
 
 from t5tpu import package_files
-from t5tpu.data import availability, quora_csv
+from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import remote, user_files
@@ -240,7 +241,7 @@ def strip_output(output: str, example: dict | None = None, is_target: bool = Fal
 
 # --- registration ----------------------------------------------------------------------------
 
-_METRICS = {
+METRICS = {
     TASK_NAME: [metrics.accuracy, metrics.f1_duplicate],
     SIMILAR_TASK_NAME: [metrics.bleu, metrics.exact_match],
 }
@@ -259,7 +260,7 @@ def _add_task(name: str, source, first_steps: list, vocabulary: seqio.Vocabulary
         vocabulary=vocabulary,
         preprocessors=[*first_steps, normalize_questions, *_FORMATTING[kind]],
         postprocess_fn=strip_output,
-        metric_fns=_METRICS[kind],
+        metric_fns=METRICS[kind],
     )
 
 
@@ -318,13 +319,38 @@ def similar_question_prompt(question: str) -> str:
     )
 
 
+def _is_positive(prediction: str) -> bool:
+    return strip_output(prediction) == metrics.POSITIVE_LABEL
+
+
+IS_DUPLICATE = serving.Route(
+    name="is_duplicate",
+    task=TASK_NAME,
+    fields=(serving.Field("question1"), serving.Field("question2")),
+    prompt=is_duplicate_prompt,
+    respond=_is_positive,
+    decoding={"max_length": 4},  # "1" or "0" and EOS
+)
+SIMILAR_QUESTION = serving.Route(
+    name="similar_question",
+    task=SIMILAR_TASK_NAME,
+    fields=(serving.Field("question"),),
+    prompt=similar_question_prompt,
+)
+
+
+def routes() -> tuple[serving.Route, ...]:
+    """What `t5tpu serve` offers for these tasks: POST /v1/is_duplicate and
+    /v1/similar_question."""
+    return (IS_DUPLICATE, SIMILAR_QUESTION)
+
+
 def is_duplicate(model: registry.TextModel, question1: str, question2: str) -> bool:
     """Whether a model trained on qp_is_duplicate takes the two questions to ask the same thing."""
-    prediction = model.predict([is_duplicate_prompt(question1, question2)], max_length=4)[0]
-    return strip_output(prediction) == metrics.POSITIVE_LABEL
+    return IS_DUPLICATE.ask(model, {"question1": question1, "question2": question2})
 
 
 def similar_question(model: registry.TextModel, question: str, **decoding_settings) -> str:
     """A question like `question`, from a model trained on generate_similar_question;
     decoding_settings are T5Model.predict's (num_beams, temperature, ...)."""
-    return model.predict([similar_question_prompt(question)], **decoding_settings)[0]
+    return SIMILAR_QUESTION.ask(model, {"question": question}, **decoding_settings)

@@ -7,6 +7,7 @@ v2.0's unanswerable questions have the target NO_ANSWER ("unanswerable"), which 
 empty answer. Sources are official JSON files bound in gin (squad_v1_source / squad_v2_source),
 else tensorflow-datasets' squad/v1.1 and squad/v2.0. Long contexts are truncated, question first,
 not split into windows (docs/PERFORMANCE.md, "SQuAD", says how many answers that loses).
+`routes` offers `answer` to `t5tpu serve`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import functools
 
 import gin
-from t5tpu.tasks import registry, squad_metrics
+from t5tpu.tasks import registry, serving, squad_metrics
 
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
@@ -309,6 +310,25 @@ def answer_prompt(question: str, context: str, *, task: str = V1_TASK) -> str:
     )
 
 
+def _route(task: str, postprocess_fn) -> serving.Route:
+    return serving.Route(
+        name="answer",
+        task=task,
+        fields=(serving.Field("question"), serving.Field("context")),
+        prompt=functools.partial(answer_prompt, task=task),
+        respond=postprocess_fn,
+    )
+
+
+ANSWER = {V1_TASK: _route(V1_TASK, postprocess_v1), V2_TASK: _route(V2_TASK, postprocess_v2)}
+
+
+def routes() -> tuple[serving.Route, ...]:
+    """What `t5tpu serve` offers: POST /v1/answer, in squad_v1's words unless a request's
+    parameter "task" says squad_v2."""
+    return tuple(ANSWER.values())
+
+
 def answer(
     model: registry.TextModel,
     question: str,
@@ -319,6 +339,7 @@ def answer(
 ) -> str:
     """A SQuAD-trained model's answer ("" when a squad_v2 model finds none in the context);
     decoding_settings are T5Model.predict's (num_beams, max_length, ...)."""
-    prompt = answer_prompt(question, context, task=task)
-    prediction = model.predict([prompt], **decoding_settings)[0]
-    return registry.get_task(task).postprocess_fn(prediction, example=None, is_target=False)
+    if task not in ANSWER:
+        raise UserError(f"task={task!r}: answer takes {' or '.join(ANSWER)}")
+    values = {"question": question, "context": context}
+    return ANSWER[task].ask(model, values, **decoding_settings)

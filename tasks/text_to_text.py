@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import gin
 from etils import epath
-from t5tpu.tasks import metrics, registry
+from t5tpu.tasks import metrics, registry, serving
 
 from t5tpu.data import text_files
 from t5tpu.errors import UserError
@@ -168,3 +168,29 @@ def register(vocabulary: seqio.Vocabulary) -> list[str]:
         metric_fns=[METRICS[name] for name in task.metric_names],
     )
     return [task.name]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prompt:
+    """INPUT_PREFIX before the input, as the task's preprocessing puts it."""
+
+    prefix: str
+
+    def __call__(self, **values: str) -> str:
+        return self.prefix + values[serving.INPUT]
+
+
+def routes() -> tuple[serving.Route, ...]:
+    """The gin-described task's input format and post-processing, which /v1/predict and
+    /v1/score apply when a request names the task; () when no files are bound. Reads no file."""
+    task = text_to_text()
+    if task is None:
+        return ()
+    route = serving.Route(
+        name=serving.PREDICT,
+        task=task.name,
+        fields=(serving.Field(serving.INPUT),),
+        prompt=_Prompt(task.input_prefix),
+        respond=strip_output,
+    )
+    return (route,)

@@ -254,6 +254,17 @@ def test_squad_answer_post_processes_as_its_task():
     assert squad.answer(model, "Who?", "Ada did.") == "unanswerable"
 
 
+def test_quora_helpers_ask_as_their_routes_declare():
+    # is_duplicate decodes at most 4 tokens ("1" or "0" and EOS) and answers a boolean.
+    model = _Says(" 1 ")
+    assert quora.is_duplicate(model, "A?", "B?") is True
+    assert model.asked == [(["is duplicate: a? <SEP> b?"], {"max_length": 4})]
+    assert quora.similar_question(model, "A?", temperature=0.5) == " 1 "
+    assert model.asked[1] == (["generate similar question: a?"], {"temperature": 0.5})
+    with pytest.raises(UserError, match="squad_v1 or squad_v2"):
+        squad.answer(model, "Who?", "Ada did.", task="squad_v3")
+
+
 def test_a_named_step_and_bad_calls(model_dir, model):
     same = api.load(model_dir, step=STEPS)
     equal = jax.tree_util.tree_map(lambda a, b: bool(np.all(a == b)), same.params, model.params)

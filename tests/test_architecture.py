@@ -4,7 +4,9 @@ name is its own (a reader never has to ask which `convert.py`)."""
 
 import ast
 import collections
+import dataclasses
 import pathlib
+import re
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The repository's folders and the packages they install as (pyproject's package-dir).
@@ -111,3 +113,104 @@ def test_every_module_file_name_is_unique():
         path.name for path in _modules().values() if path.name != "__init__.py"
     )
     assert not [name for name, count in names.items() if count > 1]
+
+
+# --- the server names no task -----------------------------------------------------------------
+# The tasks' modules that the server may name: the registry and the serving spec it mounts.
+GENERIC_TASK_MODULES = {"__init__", "registry", "serving", "metrics"}
+
+
+@dataclasses.dataclass(frozen=True)
+class TaskWords:
+    """What only a task knows. `names` (its modules' and seqio tasks' names, and routes' or
+    fields' names that no English text holds: is_duplicate, question1) are looked for in any
+    identifier or string; `plain` words (answer, context) only as a whole string or a path's
+    part, since the server says "answer" in its own sense too."""
+
+    names: frozenset[str]
+    plain: frozenset[str]
+
+
+def _task_words() -> TaskWords:
+    """The tasks' modules, and their routes' names, seqio tasks and fields (but a predict
+    route's field: /v1/predict's own)."""
+    from t5tpu.tasks import quora, serving
+
+    from t5tpu import tasks
+
+    names = {path.stem for path in SOURCES["t5tpu.tasks"].glob("*.py")} - GENERIC_TASK_MODULES
+    names.add(quora.MIXTURE_NAME)
+    words = set()
+    for route in tasks.served_routes():
+        names.add(route.task)
+        words.add(route.name)
+        if route.name != serving.PREDICT:
+            words |= {field.name for field in route.fields}
+    names |= {word for word in words if re.search(r"[_\d]", word)}
+    return TaskWords(
+        names=frozenset(w.lower() for w in names), plain=frozenset(w.lower() for w in words - names)
+    )
+
+
+def _task_knowledge(source: str, words: TaskWords) -> set[str]:
+    """The task words in `source`'s code; comments and docstrings aside."""
+    found = set()
+    tree = ast.parse(source)
+    docstrings = {
+        id(node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)
+    }
+    for node in ast.walk(tree):
+        literal = isinstance(node, ast.Constant) and isinstance(node.value, str)
+        if literal and id(node) not in docstrings:
+            text = node.value.lower()
+            found |= {w for w in words.names if re.search(rf"(?<!\w){re.escape(w)}(?!\w)", text)}
+            found |= {w for w in words.plain if text == w or re.search(rf"/{w}(?!\w)", text)}
+        for name in _identifiers(node):
+            parts = name.lower().split("_")
+            found |= {w for w in words.names if name.lower() == w or w in parts}
+    return found
+
+
+def _identifiers(node: ast.AST) -> list[str]:
+    if isinstance(node, ast.Name):
+        return [node.id]
+    if isinstance(node, ast.Attribute):
+        return [node.attr]
+    if isinstance(node, ast.alias):
+        return node.name.split(".") + ([node.asname] if node.asname else [])
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").split(".")
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+        return [node.name]
+    if isinstance(node, ast.arg):
+        return [node.arg]
+    if isinstance(node, ast.keyword) and node.arg:
+        return [node.arg]
+    return []
+
+
+def test_the_task_knowledge_finder_finds_task_knowledge():
+    words = TaskWords(names=frozenset({"quora", "is_duplicate"}), plain=frozenset({"answer"}))
+    assert _task_knowledge("from t5tpu.tasks import quora", words) == {"quora"}
+    assert _task_knowledge('x = {"is_duplicate": "Answer"}', words) == {"is_duplicate", "answer"}
+    assert _task_knowledge("def f(is_duplicate): return quora_rows", words) == words.names
+    assert _task_knowledge('path = f"/v1/{x}/answer"', words) == {"answer"}
+    plain_english = 'def answer(x):\n    return "the model can answer"'
+    assert not _task_knowledge(plain_english, words)
+    assert not _task_knowledge('"""About quora."""\n# is_duplicate\nduplicates = 1', words)
+
+
+def test_the_server_names_no_task():
+    """serve/ mounts whatever the tasks offer (tasks/serving.py): a task's name, route or
+    field written in it would be a task's knowledge in the generic server."""
+    words = _task_words()
+    assert {"quora", "squad", "is_duplicate", "squad_v2", "question1"} <= words.names
+    assert {"answer", "question", "context"} <= words.plain
+    assert not (words.names | words.plain) & {"predict", "input", "score", "target"}
+    found = {
+        path.name: sorted(_task_knowledge(path.read_text(), words))
+        for path in (SOURCES["t5tpu"] / "serve").glob("*.py")
+    }
+    assert not {name: words for name, words in found.items() if words}

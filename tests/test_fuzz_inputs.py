@@ -17,10 +17,11 @@ from fuzzing import FUZZ, assert_refused, damaged
 from hypothesis import given
 from hypothesis import strategies as st
 from sentencepiece import sentencepiece_model_pb2 as sp_pb2
+from t5tpu.tasks import quora_csv
 
 from t5tpu import package_files
 from t5tpu.config import gin_setup
-from t5tpu.data import quora_csv, text_files
+from t5tpu.data import text_files
 from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
 from t5tpu.errors import UserError
 from t5tpu.runners import evaluator, infer_chunks, infer_inputs, prediction_files

@@ -173,7 +173,7 @@ def test_the_valid_squad_file_is_read():
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory):
     """A directory prepare-quora wrote from 40 pairs: {name: bytes} of its files."""
-    from t5tpu.data import quora_csv
+    from t5tpu.tasks import quora_csv
 
     folder = tmp_path_factory.mktemp("quora")
     rows = [f"{i}\t{2 * i}\t{2 * i + 1}\tquestion {i}?\tquery {i}?\t{i % 2}" for i in range(1, 41)]

@@ -107,7 +107,9 @@ def _import_readers() -> None:
 
 
 def _upload_valid_files(url: str, local: pathlib.Path) -> None:
-    from t5tpu.data import quora_csv, vocab
+    from t5tpu.tasks import quora_csv
+
+    from t5tpu.data import vocab
 
     vocabulary = pathlib.Path(vocab.bundled_vocabulary_file()).read_bytes()
     gcs_emulator.upload(url, "vocab/spiece.model", vocabulary)
@@ -193,8 +195,9 @@ def read_quora_dir(path: str):
 def read_records(path: str, name: str = "gcs_records"):
     """check_readable of a task whose train split is the TFRecord files `path` names."""
     import seqio
+    from t5tpu.tasks import quora_csv
 
-    from t5tpu.data import availability, quora_csv, vocab
+    from t5tpu.data import availability, vocab
 
     seqio.TaskRegistry.remove(name)
     seqio.TaskRegistry.add(

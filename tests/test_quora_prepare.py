@@ -1,4 +1,4 @@
-"""`t5tpu prepare-quora` (t5tpu.data.quora_csv.prepare, t5tpu.cli.prepare_quora.main): real
+"""`t5tpu prepare-quora` (t5tpu.tasks.quora_csv.prepare, t5tpu.cli.prepare_quora.main): real
 files, hostile rows, overwrite refusal, atomic output and byte-for-byte determinism."""
 
 import hashlib
@@ -7,10 +7,9 @@ import os
 
 import pytest
 import tensorflow as tf
-from t5tpu.tasks import quora
+from t5tpu.tasks import quora, quora_csv
 
 from t5tpu.cli import prepare_quora
-from t5tpu.data import quora_csv
 from t5tpu.errors import UserError
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

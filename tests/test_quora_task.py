@@ -8,9 +8,9 @@ import sys
 import gin
 import pytest
 import seqio
-from t5tpu.tasks import metrics, quora
+from t5tpu.tasks import metrics, quora, quora_csv
 
-from t5tpu.data import quora_csv, vocab
+from t5tpu.data import vocab
 from t5tpu.errors import UserError, one_line_message
 
 PROJECT_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

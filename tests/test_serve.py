@@ -656,6 +656,93 @@ def test_before_the_model_is_ready_health_and_routes_answer_503():
         thread.join(timeout=30)
 
 
+def test_a_users_text_to_text_task_gets_predict_and_score_from_gin_alone(stand_in, tmp_path):
+    """The task configs/runs/text_to_text.gin describes, with no code: /v1/predict and
+    /v1/score given its name as "task" put its INPUT_PREFIX before the input, as its
+    preprocessing does; without "task" the input goes to the model as it is."""
+    import gin
+    from t5tpu.tasks import text_to_text  # noqa: F401 - defines what the gin file binds
+
+    port, fake, _ = stand_in
+    (tmp_path / "train.tsv").write_text("a long text\tshort\n")
+    gin.parse_config_files_and_bindings(
+        [os.path.join(ROOT, "configs", "runs", "text_to_text.gin")],
+        [
+            f"TRAIN_FILES = '{tmp_path / 'train.tsv'}'",
+            "TEXT_TASK_NAME = 'my_task'",
+            "INPUT_PREFIX = 'summarize: '",
+        ],
+        finalize_config=False,
+    )
+    try:
+        mine = {"task": "my_task"}
+        assert predict(port, ["the text"], mine)["predictions"] == ["SUMMARIZE: THE TEXT t=0.0"]
+        objects = predict(port, [{"input": "the text"}], {**mine, "temperature": 0.5})
+        assert objects["predictions"] == [{"prediction": "SUMMARIZE: THE TEXT t=0.5"}]
+        assert predict(port, ["the text"])["predictions"] == ["THE TEXT t=0.0"]
+        scored = predict(port, [{"input": "the text", "target": "a b"}], mine, path="/v1/score")
+        assert scored == {"predictions": [{"score": -3.0}]}
+        group, rows = fake.batches[-1]
+        assert group.kind == "score"
+        names = {i: w for w, i in fake.words.items()}
+        assert [[names[i] for i in row.input_ids[:-1]] for row in rows] == [
+            ["summarize:", "the", "text"]
+        ]
+        body = {"instances": ["x"], "parameters": {"task": "other_task"}}
+        status, _, content = request(port, "POST", "/v1/predict", body)
+        assert status == 400 and "must be one of my_task" in content["error"]
+    finally:
+        gin.clear_config()
+
+
+def test_routes_a_users_module_adds_are_served_as_declared(stand_in, monkeypatch):
+    """Routes declared with tasks/serving.py (as a MIXTURE_OR_TASK_MODULE adds them): their
+    fields checked, the prompt and answer theirs, "task" choosing between two tasks' routes,
+    fixed decoding settings taking no parameters, /metrics counting them by name."""
+    from t5tpu.tasks import serving
+
+    monkeypatch.setattr(serving, "_ADDED", {})
+    fields = (serving.Field("word"), serving.Field("times", int, required=False, default=1))
+    serving.add_routes(
+        serving.Route(
+            name="shout",
+            task="loud",
+            fields=fields,
+            prompt=lambda word, times: " ".join([word] * times),
+            respond=len,
+        ),
+        serving.Route(
+            name="shout",
+            task="louder",
+            fields=fields,
+            prompt=lambda word, times: " ".join([word, "!"] * times),
+            respond=str.lower,
+            decoding={"temperature": 0.5},
+        ),
+    )
+    port, fake, _ = stand_in
+    answer = predict(port, [{"word": "hey", "times": 2}, {"word": "ho"}], path="/v1/shout")
+    assert answer == {"predictions": [{"shout": len("HEY HEY t=0.0")}, {"shout": 8}]}
+    answer = predict(port, [{"word": "hey"}], {"task": "louder"}, path="/v1/shout")
+    assert answer == {"predictions": [{"shout": "hey ! t=0.5"}]}
+    for body, status, message in [
+        ({"instances": [{"times": 2}]}, 400, 'instances[0] has no "word"'),
+        ({"instances": [{"word": "a", "times": "2"}]}, 400, "times must be a whole number"),
+        ({"instances": [{"word": "a"}], "parameters": {"task": "quiet"}}, 400, "loud, louder"),
+        ({"instances": ["a"]}, 400, 'must be an object {"word": ..., "times": ...}'),
+    ]:
+        got, _, content = request(port, "POST", "/v1/shout", body)
+        assert (got, message in content["error"]) == (status, True), content
+    body = {"instances": ["a"], "parameters": {"task": "loud"}}
+    got, _, content = request(port, "POST", "/v1/predict", body)
+    assert got == 400 and "no task here formats /v1/predict's input" in content["error"]
+    got, _, content = request(port, "POST", "/v1/whisper", {"instances": [{"word": "a"}]})
+    assert got == 404 and "/v1/shout" in content["error"] and "/v1/whisper" in content["error"]
+    text = request(port, "GET", "/metrics")[2]
+    assert 't5tpu_serve_requests_total{route="shout",status="200"} 2.0' in text
+    assert 't5tpu_serve_requests_total{route="shout",status="400"} 4.0' in text
+
+
 def test_vertex_ai_routes_answer_as_predict_and_health(stand_in):
     port, _, _ = stand_in
     answer = predict(port, ["vertex"], path=VERTEX_PREDICT)

@@ -32,10 +32,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_runs import TINY_EXPERIMENT, file_digests, t5tpu
+from t5tpu.tasks import quora_csv
 from tiny import tiny_config
 
 from t5tpu.config import gin_setup
-from t5tpu.data import quora_csv, vocab
+from t5tpu.data import vocab
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import conversion, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource

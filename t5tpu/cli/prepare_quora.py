@@ -1,6 +1,6 @@
 """`t5tpu prepare-quora`: the full Quora question pairs as TFRecord splits for the Quora tasks.
 
-The reading, splitting and writing are t5tpu.data.quora_csv's (which loads TensorFlow only when
+The reading, splitting and writing are t5tpu.tasks.quora_csv's (which loads TensorFlow only when
 it reads or writes); this module is the command's flags and what it prints.
 """
 
@@ -10,7 +10,7 @@ import argparse
 import os
 
 from t5tpu.cli.tool_parser import ToolParser
-from t5tpu.data import quora_csv
+from t5tpu.tasks import quora_csv
 
 NAME = "prepare-quora"
 SUMMARY = "the full Quora pairs (Kaggle train.csv or GLUE's QQP TSV) as TFRecord splits"

@@ -3,12 +3,11 @@ batcher and wait for them, answering every failure as {"error": "<one line>"} wi
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
                                                "parameters": {num_beams, max_length,
-                                               temperature, top_k, seed}}
-    POST /v1/score                            {"instances": [{"input": ..., "target": ...}]}
-    POST /v1/is_duplicate                     {"instances": [{"question1": ..., "question2": ...}]}
-    POST /v1/similar_question                 {"instances": [{"question": ...}], "parameters"}
-    POST /v1/answer                           {"instances": [{"question": ..., "context": ...}],
-                                               "parameters": {..., "task": "squad_v1"}}
+                                               temperature, top_k, seed, task}}
+    POST /v1/score                            {"instances": [{"input": ..., "target": ...}],
+                                               "parameters": {task}}
+    POST /v1/<route>                          each route the tasks offer (task_calls.py):
+                                               {"instances": [{<its fields>}], "parameters"}
     GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503
     GET  /metrics                             Prometheus text format (serve_metrics.py)
 
@@ -30,7 +29,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
-from starlette.routing import Route
+from starlette.routing import Route as Path
 
 from t5tpu.errors import one_line_message
 from t5tpu.serve import payloads
@@ -38,9 +37,11 @@ from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
 from t5tpu.serve.model_worker import DecodeRow, Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
-from t5tpu.serve.task_calls import TaskRunner
+from t5tpu.serve.task_calls import TaskRoutes
+from t5tpu.tasks.serving import INPUT, Route
 
 PREDICT_ROUTE = "/v1/predict"
+TASK_ROUTES = "/v1/{name}"
 HEALTH_ROUTE = "/health"
 # Seconds a client is told to wait before retrying a 503 (queue full, model loading).
 RETRY_AFTER = "1"
@@ -68,26 +69,29 @@ class ClientGone(Exception):
 
 @dataclasses.dataclass(frozen=True)
 class _Prepared:
-    """A request checked and tokenized: its (group, row) pairs for the batcher, and warnings to
-    return."""
+    """A request checked and tokenized: its (group, row) pairs for the batcher, warnings to
+    return, and the task route whose `respond` makes the answers' values (None: as decoded)."""
 
     rows: list[tuple[Group, object]]
     warnings: list[str]
     request: object
+    route: Route | None = None
+
+    def values(self, decoded: list) -> list:
+        return decoded if self.route is None else [self.route.respond(text) for text in decoded]
 
 
 class Service:
-    """The routes' state: the engine (None until loaded), the batcher, the task runner."""
+    """The routes' state: the engine (None until loaded), the batcher, the tasks' routes, and
+    the route names /metrics counts requests by (path -> name)."""
 
-    def __init__(
-        self, *, batcher: Batcher, metrics: ServeMetrics, options: HttpOptions, task_threads: int
-    ):
+    def __init__(self, *, batcher: Batcher, metrics: ServeMetrics, options: HttpOptions):
         self.batcher = batcher
         self.metrics = metrics
         self.options = options
         self.engine: ModelWorker | None = None
-        self.tasks = TaskRunner(queue=self._queue_prompts, threads=task_threads)
-        self._task_rows = 0  # task instances admitted and not yet answered
+        self.tasks = TaskRoutes()
+        self.route_names: dict[str, str] = {}
 
     def ready(self, engine: ModelWorker) -> None:
         self.engine = engine
@@ -122,25 +126,35 @@ class Service:
             encoded.append(ids)
         return encoded
 
+    def _inputs(self, texts, task: str | None, where: str) -> tuple[list[str], Route | None]:
+        """The texts in the words of `task` (a task offering the predict route), if named."""
+        route = self.tasks.formatting(task, where)
+        if route is None:
+            return list(texts), None
+        return self.tasks.prompts(route, [{INPUT: text} for text in texts]), route
+
     def prepare_predict(self, body: bytes) -> _Prepared:
         engine = self._engine()
         request = payloads.predict_request(
             payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
         )
+        texts, route = self._inputs(request.texts, request.task, "/v1/predict")
         warnings: list[str] = []
         encoded = self._encoded(
-            request.texts, limit=engine.max_input_length, what="input", first=0, warnings=warnings
+            texts, limit=engine.max_input_length, what="input", first=0, warnings=warnings
         )
-        return _Prepared(_decode_rows(engine, encoded, request.decoding, 0), warnings, request)
+        rows = _decode_rows(engine, encoded, request.decoding, 0)
+        return _Prepared(rows, warnings, request, route)
 
     def prepare_score(self, body: bytes) -> _Prepared:
         engine = self._engine()
         request = payloads.score_request(payloads.parse_json(body), limits=self._limits(engine))
+        formatted, _ = self._inputs(request.inputs, request.task, "/v1/score")
         warnings: list[str] = []
         limits = {"input": engine.max_input_length, "target": engine.max_target_length}
         inputs, targets = (
             self._encoded(texts, limit=limits[what], what=what, first=0, warnings=warnings)
-            for texts, what in ((request.inputs, "input"), (request.targets, "target"))
+            for texts, what in ((formatted, "input"), (request.targets, "target"))
         )
         rows = [
             (Group.for_scoring(engine.input_bucket(a.ids)), ScoreRow(a.ids, b.ids))
@@ -148,50 +162,42 @@ class Service:
         ]
         return _Prepared(rows, warnings, request)
 
-    def prepare_task(self, route: str, body: bytes) -> payloads.TaskRequest:
+    def prepare_task(self, name: str, body: bytes) -> _Prepared:
+        """A task route's request: checked against the route's fields, its prompts made by the
+        task, tokenized."""
         engine = self._engine()
-        return payloads.task_request(
-            route, payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
+        offers = self.tasks.offers(name, "POST")
+        self.route_names.setdefault(f"/v1/{name}", name)
+        request = payloads.task_request(
+            offers, payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
         )
-
-    def _queue_prompts(self, texts: list[str], decoding: Decoding, first: int):
-        """The task calls' way to the model (task_calls.QueuePrompts)."""
-        engine = self._engine()
+        prompts = self.tasks.prompts(request.route, request.instances)
         warnings: list[str] = []
         encoded = self._encoded(
-            texts, limit=engine.max_input_length, what="prompt", first=first, warnings=warnings
+            prompts, limit=engine.max_input_length, what="prompt", first=0, warnings=warnings
         )
-        return self.batcher.submit(_decode_rows(engine, encoded, decoding, first)), warnings
+        rows = _decode_rows(engine, encoded, request.decoding, 0)
+        return _Prepared(rows, warnings, request, request.route)
 
     # --- the routes ------------------------------------------------------------------------
 
     async def predict(self, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare_predict, await self._body(request))
-        texts = await _results(request, self.batcher.submit(prepared.rows))
+        texts = prepared.values(await _results(request, self.batcher.submit(prepared.rows)))
         if prepared.request.objects:
             texts = [{"prediction": text} for text in texts]
-        return _answer(texts, prepared.warnings)
+        return _reply(texts, prepared.warnings)
 
     async def score(self, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare_score, await self._body(request))
         scores = await _results(request, self.batcher.submit(prepared.rows))
-        return _answer([{"score": score} for score in scores], prepared.warnings)
+        return _reply([{"score": score} for score in scores], prepared.warnings)
 
     async def task(self, request: Request) -> Response:
-        route = request.url.path.rsplit("/", 1)[-1]
-        task_request = await run_in_threadpool(self.prepare_task, route, await self._body(request))
-        count = len(task_request.instances)
-        # Task calls wait in threads before their rows reach the batcher's bound: they are
-        # bounded here, by the same number.
-        if self._task_rows + count > self.options.max_queue:
-            raise QueueFull(f"{self._task_rows} task instances are in flight")
-        self._task_rows += count
-        try:
-            answers = await _results(request, self.tasks.start(task_request))
-        finally:
-            self._task_rows -= count
-        warnings = [warning for answer in answers for warning in answer.warnings]
-        return _answer([{route: answer.value} for answer in answers], warnings)
+        name = request.path_params["name"]
+        prepared = await run_in_threadpool(self.prepare_task, name, await self._body(request))
+        values = prepared.values(await _results(request, self.batcher.submit(prepared.rows)))
+        return _reply([{name: value} for value in values], prepared.warnings)
 
     async def health(self, request: Request) -> Response:
         if self.engine is None:
@@ -230,7 +236,7 @@ def _decode_rows(engine: ModelWorker, encoded: list, decoding: Decoding, first: 
     ]
 
 
-def _answer(predictions: list, warnings: list[str]) -> JSONResponse:
+def _reply(predictions: list, warnings: list[str]) -> JSONResponse:
     body = {"predictions": predictions}
     if warnings:
         body["warnings"] = warnings
@@ -302,30 +308,27 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
 
 
 def routes(service: Service) -> dict[str, tuple[str, str, object]]:
-    """path -> (route name for /metrics, method, handler)."""
+    """path -> (route name for /metrics, method, handler). The tasks' routes come last, after
+    the server's own paths: /v1/{name} is looked up in the tasks' list at request time."""
     table = {path: ("predict", "POST", service.predict) for path in service.options.predict_routes}
     table["/v1/score"] = ("score", "POST", service.score)
-    for name in payloads.TASK_FIELDS:
-        table[f"/v1/{name}"] = (name, "POST", service.task)
     for path in service.options.health_routes:
         table[path] = ("health", "GET", service.health)
     table["/metrics"] = ("metrics", "GET", service.metrics_text)
+    table[TASK_ROUTES] = ("other", "POST", service.task)
     return table
 
 
 def build_app(*, service: Service, lifespan) -> Starlette:
     table = routes(service)
+    service.route_names.update({path: name for path, (name, _, _) in table.items()})
     return Starlette(
         routes=[
-            Route(path, _guarded(handler), methods=[method])
+            Path(path, _guarded(handler), methods=[method])
             for path, (_, method, handler) in table.items()
         ],
         middleware=[
-            Middleware(
-                MetricsMiddleware,
-                metrics=service.metrics,
-                route_names={path: name for path, (name, _, _) in table.items()},
-            )
+            Middleware(MetricsMiddleware, metrics=service.metrics, route_names=service.route_names)
         ],
         exception_handlers={HTTPException: _http_error},
         lifespan=lifespan,

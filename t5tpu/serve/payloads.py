@@ -3,7 +3,9 @@
 Every route takes Vertex AI's shape, `{"instances": [...], "parameters": {...}}`. Anything else
 (a body that is not JSON, a field of the wrong type, an empty or too long list of instances, an
 unknown field or parameter) is a PayloadError: an HTTP status and a one-line message naming the
-field. Nothing here touches the model, so a bad request costs the server no model time.
+field. The tasks' routes are checked against the fields and parameters they declare
+(t5tpu/tasks/serving.py). Nothing here touches the model, so a bad request costs the server no
+model time.
 """
 
 from __future__ import annotations
@@ -11,19 +13,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from collections.abc import Sequence
+
+from t5tpu.tasks.serving import Field, Route
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
 # batch many times the compiled one.
 MAX_NUM_BEAMS = 16
 _MAX_SEED = 2**31 - 1
 DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "seed")
-# The fields of each task route's instances, in the order its task function takes them.
-TASK_FIELDS = {
-    "is_duplicate": ("question1", "question2"),
-    "similar_question": ("question",),
-    "answer": ("question", "context"),
-}
-SQUAD_TASKS = ("squad_v1", "squad_v2")
+# The parameter naming the task whose route a request uses.
+TASK = "task"
+_INPUT, _TARGET = Field("input"), Field("target")
 
 
 class PayloadError(Exception):
@@ -73,31 +74,32 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class PredictRequest:
     """/v1/predict: the texts, whether they came as {"input": ...} objects (answered as
-    {"prediction": ...} objects) and the decoding settings."""
+    {"prediction": ...} objects), the decoding settings, and the task whose input format and
+    post-processing apply (None: the texts are the model's input as they are)."""
 
     texts: tuple[str, ...]
     objects: bool
     decoding: Decoding
+    task: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class ScoreRequest:
-    """/v1/score: input and target texts, pairwise."""
+    """/v1/score: input and target texts, pairwise, and the task that formats the inputs."""
 
     inputs: tuple[str, ...]
     targets: tuple[str, ...]
+    task: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskRequest:
-    """A task route's instances (each a tuple of its fields' texts), the decoding settings
-    (is_duplicate's task function overrides max_length) and the SQuAD task whose prompt
-    /v1/answer uses."""
+    """A task route's request: the route its "task" parameter chose, each instance's values by
+    field name, and the decoding settings."""
 
-    route: str
-    instances: tuple[tuple[str, ...], ...]
+    route: Route
+    instances: tuple[dict, ...]
     decoding: Decoding
-    squad_task: str = SQUAD_TASKS[0]
 
 
 def parse_json(body: bytes) -> dict:
@@ -145,19 +147,41 @@ def _text(value, where: str) -> str:
     return value
 
 
-def _fields(instance, where: str, fields: tuple[str, ...]) -> tuple[str, ...]:
-    """The texts of an {field: text} instance: every field present, no other."""
+_TYPE_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "a boolean"}
+
+
+def _typed(value, kind: type, where: str):
+    """`value` if JSON gave it type `kind` (a whole number is a number too; a boolean is
+    neither)."""
+    fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        fits, value = True, float(value)
+    if kind is float and fits and not math.isfinite(value):
+        fits = False
+    if not fits:
+        raise PayloadError(f"{where} must be {_TYPE_NAMES[kind]}, got {_kind(value)}")
+    return value
+
+
+def _fields(instance, where: str, fields: Sequence[Field]) -> dict:
+    """The values of an {field: value} instance by name: every required field present, no
+    unknown one, each of its type; an optional field left out takes its default."""
     if not isinstance(instance, dict):
-        wanted = ", ".join(f'"{name}": "..."' for name in fields)
+        wanted = ", ".join(f'"{field.name}": ...' for field in fields)
         raise PayloadError(f"{where} must be an object {{{wanted}}}, got {_kind(instance)}")
-    unknown = sorted(set(instance) - set(fields))
+    names = [field.name for field in fields]
+    unknown = sorted(set(instance) - set(names))
     if unknown:
-        takes = ", ".join(fields)
-        raise PayloadError(f"{where} has unknown field {unknown[0]!r}; it takes {takes}")
-    missing = [name for name in fields if name not in instance]
+        raise PayloadError(f"{where} has unknown field {unknown[0]!r}; it takes {', '.join(names)}")
+    missing = [field.name for field in fields if field.required and field.name not in instance]
     if missing:
         raise PayloadError(f'{where} has no "{missing[0]}"')
-    return tuple(_text(instance[name], f"{where}.{name}") for name in fields)
+    return {
+        field.name: _typed(instance[field.name], field.type, f"{where}.{field.name}")
+        if field.name in instance
+        else field.default
+        for field in fields
+    }
 
 
 def _parameters(payload: dict, allowed: tuple[str, ...]) -> dict:
@@ -209,44 +233,72 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
     return decoding
 
 
+def _task(parameters: dict) -> str | None:
+    task = parameters.pop(TASK, None)
+    if task is not None and not isinstance(task, str):
+        raise PayloadError(f"parameter {TASK}={json.dumps(task)} must be a task's name")
+    return task
+
+
 def predict_request(payload: dict, *, defaults: Decoding, limits: Limits) -> PredictRequest:
     """/v1/predict's request: strings, or {"input": ...} objects (all of one kind)."""
     instances = _instances(payload, limits)
     objects = isinstance(instances[0], dict)
     if objects:
-        texts = [_fields(x, f"instances[{i}]", ("input",))[0] for i, x in enumerate(instances)]
+        texts = [_fields(x, f"instances[{i}]", (_INPUT,))["input"] for i, x in enumerate(instances)]
     else:
         texts = [_text(x, f"instances[{i}]") for i, x in enumerate(instances)]
-    decoding = _decoding(_parameters(payload, DECODING_PARAMETERS), defaults, limits)
-    return PredictRequest(texts=tuple(texts), objects=objects, decoding=decoding)
+    parameters = dict(_parameters(payload, (*DECODING_PARAMETERS, TASK)))
+    task = _task(parameters)
+    decoding = _decoding(parameters, defaults, limits)
+    return PredictRequest(texts=tuple(texts), objects=objects, decoding=decoding, task=task)
 
 
 def score_request(payload: dict, *, limits: Limits) -> ScoreRequest:
-    """/v1/score's request: {"input": ..., "target": ...} objects, no parameters."""
+    """/v1/score's request: {"input": ..., "target": ...} objects; "task" the only parameter."""
     instances = _instances(payload, limits)
-    _parameters(payload, ())
-    pairs = [_fields(x, f"instances[{i}]", ("input", "target")) for i, x in enumerate(instances)]
+    task = _task(dict(_parameters(payload, (TASK,))))
+    pairs = [_fields(x, f"instances[{i}]", (_INPUT, _TARGET)) for i, x in enumerate(instances)]
     return ScoreRequest(
-        inputs=tuple(pair[0] for pair in pairs), targets=tuple(pair[1] for pair in pairs)
+        inputs=tuple(pair["input"] for pair in pairs),
+        targets=tuple(pair["target"] for pair in pairs),
+        task=task,
     )
 
 
-def task_request(route: str, payload: dict, *, defaults: Decoding, limits: Limits) -> TaskRequest:
-    """A task route's request. is_duplicate decodes as its task function says (no parameters);
-    similar_question and answer take the decoding parameters, answer also "task" (squad_v1 or
-    squad_v2: whose prompt and post-processing to use)."""
-    fields = TASK_FIELDS[route]
-    instances = _instances(payload, limits)
-    texts = tuple(_fields(x, f"instances[{i}]", fields) for i, x in enumerate(instances))
-    if route == "is_duplicate":
-        _parameters(payload, ())
-        return TaskRequest(route=route, instances=texts, decoding=defaults)
-    allowed = (*DECODING_PARAMETERS, "task") if route == "answer" else DECODING_PARAMETERS
-    parameters = dict(_parameters(payload, allowed))
-    squad_task = parameters.pop("task", SQUAD_TASKS[0])
-    if squad_task not in SQUAD_TASKS:
+def choose(offers: Sequence[Route], task: str | None, where: str) -> Route:
+    """The route of `offers` (one name, several tasks) that parameter "task" names, by default
+    the first."""
+    if task is None:
+        return offers[0]
+    for route in offers:
+        if route.task == task:
+            return route
+    given = f"parameter {TASK}={json.dumps(task)}"
+    if not offers:
         raise PayloadError(
-            f"parameter task={json.dumps(squad_task)} must be one of {', '.join(SQUAD_TASKS)}"
+            f"{given}: no task here formats {where}'s input; leave it out, or serve with the "
+            "gin files of a text-to-text task"
         )
-    decoding = _decoding(parameters, defaults, limits)
-    return TaskRequest(route=route, instances=texts, decoding=decoding, squad_task=squad_task)
+    tasks = ", ".join(route.task for route in offers)
+    raise PayloadError(f"{given} must be one of {tasks} ({where})")
+
+
+def task_request(
+    offers: Sequence[Route], payload: dict, *, defaults: Decoding, limits: Limits
+) -> TaskRequest:
+    """A task route's request. The route takes the decoding parameters unless it fixes its own
+    settings, and "task" when several tasks offer it."""
+    instances = _instances(payload, limits)
+    decodes_as_declared = all(route.decoding is not None for route in offers)
+    allowed = () if decodes_as_declared else DECODING_PARAMETERS
+    if len(offers) > 1:
+        allowed = (*allowed, TASK)
+    parameters = dict(_parameters(payload, allowed))
+    route = choose(offers, _task(parameters), f"/v1/{offers[0].name}")
+    values = tuple(_fields(x, f"instances[{i}]", route.fields) for i, x in enumerate(instances))
+    if route.decoding is not None:
+        decoding = dataclasses.replace(defaults, **route.decoding)
+    else:
+        decoding = _decoding(parameters, defaults, limits)
+    return TaskRequest(route=route, instances=values, decoding=decoding)

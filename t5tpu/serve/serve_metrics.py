@@ -84,7 +84,6 @@ class MetricsMiddleware:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        route = self.route_names.get(scope["path"], "other")
         status = [500]  # what an exception that escapes every handler becomes
         start = time.perf_counter()
 
@@ -96,5 +95,7 @@ class MetricsMiddleware:
         try:
             await self.app(scope, receive, send_and_note)
         finally:
+            # Looked up at the end: a task route is named once the tasks' list has been read.
+            route = self.route_names.get(scope["path"], "other")
             self.metrics.requests.labels(route=route, status=str(status[0])).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - start)

@@ -125,10 +125,7 @@ def build(
     metrics = ServeMetrics()
     batcher = Batcher(limits=batching, on_rows=metrics.observe_rows, on_run=metrics.observe_run)
     metrics.watch_queue(lambda: batcher.depth)
-    # A full batch of task calls can wait for the model at once.
-    service = Service(
-        batcher=batcher, metrics=metrics, options=http, task_threads=batching.max_batch_size
-    )
+    service = Service(batcher=batcher, metrics=metrics, options=http)
     worker = _Worker(service=service, load=load, warm_up=options.warm_up)
 
     @contextlib.asynccontextmanager
@@ -137,7 +134,6 @@ def build(
         yield
         worker.stopping.set()
         batcher.stop()
-        service.tasks.close()
 
     server = uvicorn.Server(
         uvicorn.Config(

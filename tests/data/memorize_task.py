@@ -8,9 +8,10 @@ import itertools
 
 import seqio
 import tensorflow as tf
+from t5tpu.tasks import quora_csv
 
 from t5tpu import package_files
-from t5tpu.data import quora_csv, vocab
+from t5tpu.data import vocab
 
 SAMPLE = package_files.asset("quora_sample", "train.tsv")
 NUM_PAIRS = 32
