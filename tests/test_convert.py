@@ -23,7 +23,7 @@ from tiny import tiny_config
 from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import conversion, hf_format, param_mapping
+from t5tpu.formats import checkpoint_reader, conversion, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
@@ -61,7 +61,7 @@ def converted(hf_dir, tmp_path_factory):
 
 
 def _restore(model_dir: str, step: int, config: T5Config):
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mngr = checkpoints.manager(model_dir, read_only=True)
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)

@@ -32,10 +32,10 @@ from t5tpu.config import gin_setup
 from t5tpu.data import vocab
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
+    checkpoint_reader,
     hf_format,
     hf_tokenizer,
     mesh_tf_format,
-    param_mapping,
     t5x_format,
     vocabulary_source,
 )
@@ -45,8 +45,8 @@ from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, checkpoints, remote, save_guards, user_files
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
-# The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
-IMPORTERS: dict[str, type[param_mapping.CheckpointReader]] = {
+# The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
+IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
     "hf": hf_format.HFCheckpoint,
     "t5x": t5x_format.T5XCheckpoint,
     "mesh_tf": mesh_tf_format.MeshTFCheckpoint,
@@ -307,7 +307,7 @@ def to_t5tpu(
     reader = IMPORTERS[source](input_path)
     config = reader.config()
     step = reader.step
-    params = reader.load(param_mapping.abstract_params(config))
+    params = reader.load(checkpoint_reader.abstract_params(config))
     vocabulary = reader.vocabulary()
 
     output_dir = _absolute(output_dir)
@@ -381,8 +381,8 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
     checkpoint's shapes (None: checked when the parameters are read); without gin files, the
     geometry the shapes give and no vocabulary."""
     if not gin_files:
-        flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
-        config = param_mapping.config_from_flat_shapes(flat)
+        flat = {name: checkpoint_reader.flat_layout_shape(name, s) for name, s in shapes.items()}
+        config = checkpoint_reader.config_from_flat_shapes(flat)
         print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
         return config, None
     gin_setup.import_configurables()
@@ -402,7 +402,7 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
         raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
     finally:
         gin.clear_config()
-    expected = param_mapping.model_shapes(param_mapping.abstract_params(config))
+    expected = checkpoint_reader.model_shapes(checkpoint_reader.abstract_params(config))
     differences = shapes is not None and checkpoints.geometry_differences(shapes, expected)
     if differences:
         raise UserError(
@@ -448,7 +448,7 @@ def to_hf(
     with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
         readable = _readable_gin_files(gin_files, staging)
         config, vocabulary = model_from_gin(readable, shapes)
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
     with _written_output(output_dir) as folder:
         hf_format.export(

@@ -11,7 +11,7 @@ chunks, and the final file, assembled from the chunks, is the same however the w
 Within a chunk, inputs are decoded by the engine (model/engine.py): batched by length, padded
 to a few lengths, finished rows replaced by waiting ones.
 INFER_OUTPUT_DIR puts the files and infer_config.gin in another folder, for a MODEL_DIR that is
-read-only (runners/outputs.py); the config is written with the first predictions.
+read-only (runners/results_dir.py); the config is written with the first predictions.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import example_progress, infer_chunks, infer_inputs, outputs, prediction_files
+from t5tpu.runners import (
+    example_progress,
+    infer_chunks,
+    infer_inputs,
+    prediction_files,
+    results_dir,
+)
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import preemption, trainer
@@ -356,7 +362,7 @@ def _decode_each(run: _Run, restorable: _Checkpoints, output_dir: str) -> list[s
                 break
             written.append(path)
             if len(written) == 1:
-                outputs.write_config(paths.infer_config(output_dir))
+                results_dir.write_config(paths.infer_config(output_dir))
     finally:
         watch.close()
     return written
@@ -398,7 +404,7 @@ def infer(
     settings.check(model.config.vocab_size)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(num_examples, truncation, assignment)
-    output_dir = outputs.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
+    output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
     lengths = pipeline.model_lengths(task_feature_lengths)
     source = infer_inputs.chosen(
         inputs=inputs,
