@@ -36,7 +36,7 @@ from t5tpu.formats import (
     tf_bundle_index,
 )
 from t5tpu.runtime.lazy_imports import import_tensorflow_quietly, tf
-from t5tpu.storage import checkpoint_damage
+from t5tpu.storage import checkpoint_damage, checkpoints
 
 # Tiny enough that a case reads a few kilobytes: T5 1.1 (untied, gated), one layer per stack.
 CONFIG = tiny_config(
@@ -57,7 +57,7 @@ def _abstract(config):
 
 def _params(config) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    shapes = checkpoint_reader.model_shapes(_abstract(config))
+    shapes = checkpoints.flat_shapes(_abstract(config))
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 

@@ -26,6 +26,7 @@ from t5tpu.formats import checkpoint_reader, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.storage import checkpoints
 
 VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS = 128, 64, 2, 32, 128, 2
 EOS = 1
@@ -325,7 +326,7 @@ FLAN_T5_SMALL = {
 @pytest.mark.parametrize("hf_config, count", [(T5_SMALL, 60_506_624), (FLAN_T5_SMALL, 76_961_152)])
 def test_published_configs_give_the_published_parameter_counts(hf_config, count):
     abstract = checkpoint_reader.abstract_params(hf_format.config_from_hf(hf_config))
-    assert sum(math.prod(s) for s in checkpoint_reader.model_shapes(abstract).values()) == count
+    assert sum(math.prod(s) for s in checkpoints.flat_shapes(abstract).values()) == count
 
 
 def test_config_round_trips_and_unsupported_activations_are_refused():

@@ -402,7 +402,7 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
         raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
     finally:
         gin.clear_config()
-    expected = checkpoint_reader.model_shapes(checkpoint_reader.abstract_params(config))
+    expected = checkpoints.flat_shapes(checkpoint_reader.abstract_params(config))
     differences = shapes is not None and checkpoints.geometry_differences(shapes, expected)
     if differences:
         raise UserError(

@@ -239,50 +239,6 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     return _fresh_state(setup=setup, seed=seed, start=start)
 
 
-def _input_stream(
-    data: InputSettings, *, layout, skip_batches: int, saved_position: str
-) -> pipeline.InputStream:
-    return pipeline.train_batches(
-        data.task_name,
-        data.task_feature_lengths,
-        data.batch_size,
-        data.seed,
-        data.use_packing,
-        skip_batches=skip_batches,
-        layout=layout,
-        saved_position=saved_position,
-    )
-
-
-def _evaluator(
-    evals: EvalSettings, *, data: InputSettings, setup: StepSetup, model_dir: str
-) -> TaskEvaluator:
-    return TaskEvaluator(
-        model=setup.model,
-        task_name=data.task_name,
-        task_feature_lengths=data.task_feature_lengths,
-        split=evals.split,
-        batch_size=evals.batch_size,
-        partitioner=setup.partitioner,
-        param_shardings=setup.shardings.params,
-        model_dir=model_dir,
-        num_examples=evals.num_examples,
-        settings=decoding.DecodingSettings(),
-    )
-
-
-def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: str):
-    return Checkpointer(
-        mngr=mngr,
-        dtype=dtype,
-        input_start_step=start.input_start_step,
-        stream=stream,
-        config=config,
-        # Found unreadable by resume_point: replaced when their steps are saved again.
-        damaged_steps=start.resume.damaged_steps if start.resume else (),
-    )
-
-
 def _train_steps(
     state: trainer.TrainState,
     *,
@@ -295,22 +251,71 @@ def _train_steps(
     periods: Periods,
     checkpoint_dtype: str,
 ) -> trainer.TrainState:
-    """Trains the steps left after `state`'s, once the input, evaluator and writers are built."""
+    """Trains the steps left after `state`'s: the input stream and the evaluator first, so that
+    bad input is refused before the run is recorded as started."""
     first_step = int(state.step)
     batches_used = max(first_step - start.input_start_step, 0)
     if first_step >= start.last_step:
         print(f"already at step {first_step} >= {start.last_step}; nothing to do")
         return state
     layout = setup.partitioner.data_layout(data.batch_size)
-    stream = _input_stream(
-        data,
-        layout=layout,
+    stream = pipeline.train_batches(
+        data.task_name,
+        data.task_feature_lengths,
+        data.batch_size,
+        data.seed,
+        data.use_packing,
         skip_batches=batches_used,
+        layout=layout,
         saved_position=checkpoints.input_position_path(mngr, first_step),
     )
-    evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
+    evaluator = None
+    if evals:
+        evaluator = TaskEvaluator(
+            model=setup.model,
+            task_name=data.task_name,
+            task_feature_lengths=data.task_feature_lengths,
+            split=evals.split,
+            batch_size=evals.batch_size,
+            partitioner=setup.partitioner,
+            param_shardings=setup.shardings.params,
+            model_dir=model_dir,
+            num_examples=evals.num_examples,
+            settings=decoding.DecodingSettings(),
+        )
+    return _run_loop(
+        state,
+        model_dir=model_dir,
+        setup=setup,
+        mngr=mngr,
+        start=start,
+        stream=stream,
+        layout=layout,
+        evaluator=evaluator,
+        dropout_seed=data.seed + 1,
+        periods=periods,
+        checkpoint_dtype=checkpoint_dtype,
+    )
+
+
+def _run_loop(
+    state: trainer.TrainState,
+    *,
+    model_dir: str,
+    setup: StepSetup,
+    mngr,
+    start: StartPoint,
+    stream: pipeline.InputStream,
+    layout,
+    evaluator: TaskEvaluator | None,
+    dropout_seed: int,
+    periods: Periods,
+    checkpoint_dtype: str,
+) -> trainer.TrainState:
+    """Records the run as started, then trains from `state` on inputs already built."""
     from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
 
+    first_step = int(state.step)
     writer = summaries.writer(
         paths.train_summaries(model_dir), just_logging=jax.process_index() > 0
     )
@@ -318,23 +323,33 @@ def _train_steps(
     # replace the config of the run already in MODEL_DIR.
     config = TrainConfig(model_dir, first_step=first_step, resumed=bool(start.resume))
     config.run_started()
+    checkpointer = Checkpointer(
+        mngr=mngr,
+        dtype=checkpoint_dtype,
+        input_start_step=start.input_start_step,
+        stream=stream,
+        config=config,
+        # Found unreadable by resume_point: replaced when their steps are saved again.
+        damaged_steps=start.resume.damaged_steps if start.resume else (),
+    )
     loop = TrainLoop(
         model_dir=model_dir,
         step_fn=setup.compiled_step(),
         stream=stream,
         batch_sharding=setup.partitioner.batch_sharding(),
-        dropout_seed=jax.random.PRNGKey(data.seed + 1),
+        dropout_seed=jax.random.PRNGKey(dropout_seed),
         periods=periods,
         last_step=start.last_step,
         progress=Progress(first_step, start.last_step, layout.num_shards),
         writer=writer,
-        checkpointer=_checkpointer(mngr, start, stream, config, checkpoint_dtype),
+        checkpointer=checkpointer,
         evaluator=evaluator,
         preemption=PreemptionWatch(),
     )
     print(
         f"training steps {first_step}..{start.last_step} on {jax.device_count()} device(s), mesh "
-        f"{dict(setup.partitioner.mesh.shape)}, input from batch {batches_used}",
+        f"{dict(setup.partitioner.mesh.shape)}, input from batch "
+        f"{max(first_step - start.input_start_step, 0)}",
         flush=True,
     )
     return loop.run(state)
