@@ -562,7 +562,7 @@ _ORBAX_JSON_NODES = [
 
 
 def _restore_orbax():
-    return conversion.load_pretrained(ORBAX_STEP_DIR, _abstract(CONFIG))
+    return conversion.open_checkpoint(ORBAX_STEP_DIR).load(_abstract(CONFIG))
 
 
 def _assert_orbax_refused():

@@ -122,7 +122,7 @@ def test_imports_every_parameter_exactly(checkpoint, given):
     config, params, directory, prefix = checkpoint
     path = directory if given == "directory" else prefix
     assert conversion.detect_format(path) == "mesh_tf"
-    imported = conversion.load_pretrained(path, checkpoint_reader.abstract_params(config))
+    imported = conversion.open_checkpoint(path).load(checkpoint_reader.abstract_params(config))
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = _expected(params)
     assert sorted(flat) == sorted(expected)
@@ -135,7 +135,7 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, directory, prefix = checkpoint
     assert mesh_tf_format.MeshTFCheckpoint(directory).config() == config
     assert mesh_tf_format.MeshTFCheckpoint(prefix).step == STEP
-    assert conversion.pretrained_step(directory) == STEP
+    assert conversion.open_checkpoint(directory).step == STEP
 
 
 def test_rms_norm_spelling_is_accepted(tmp_path):
