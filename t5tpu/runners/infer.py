@@ -62,9 +62,13 @@ def _encoded(record: infer_inputs.Record, vocabulary, input_length: int) -> _Exa
     return _Example(record, encoded.ids, encoded.truncated)
 
 
-def _refuse_overlong(source: infer_inputs.InputSource, vocabulary, input_length: int) -> None:
+def _refuse_overlong(
+    truncation: str, source: infer_inputs.InputSource, vocabulary, input_length: int
+) -> None:
     """INFER_TRUNCATION='error': every input tokenized before any work, the first one that is
-    too long named."""
+    too long named ('warn' truncates them as they are decoded)."""
+    if truncation != "error":
+        return
     overlong = [
         record.where
         for record in source.read()
@@ -415,8 +419,7 @@ def infer(
         feature_lengths=task_feature_lengths,
         num_examples=num_examples,
     )
-    if truncation == "error":
-        _refuse_overlong(source, model.vocabulary, lengths[0])
+    _refuse_overlong(truncation, source, model.vocabulary, lengths[0])
     restorable = _Checkpoints.checked(
         model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
     )
@@ -428,6 +431,5 @@ def infer(
         lengths=lengths,
         batch_size=batch_size,
     )
-    folder = paths.inference_dir(output_dir)
-    run = _Run(source, decoder, assignment, settings, num_examples, folder)
+    run = _Run(source, decoder, assignment, settings, num_examples, paths.inference_dir(output_dir))
     return _decode_each(run, restorable, output_dir)
