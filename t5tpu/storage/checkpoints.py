@@ -34,8 +34,6 @@ from t5tpu.model import layer_stacking
 from t5tpu.storage import checkpoint_damage, save_guards
 from t5tpu.storage import model_dir as paths
 
-# model_dir owns the name; this alias serves callers that still read it from here.
-STEP_PREFIX = paths.STEP_PREFIX
 ITEMS = ("params", "opt_state")
 # Saved in each checkpoint's metadata: the step before the run read its first input batch (a
 # pretrained checkpoint's step when it fine-tunes one, else 0).
