@@ -114,6 +114,9 @@ def test_every_module_file_name_is_unique():
         path.name for path in _modules().values() if path.name != "__init__.py"
     )
     assert not [name for name, count in names.items() if count > 1]
+    # Nor one name and its plural (prediction_file.py beside prediction_files.py).
+    stems = {name.removesuffix(".py") for name in names}
+    assert not sorted(stem for stem in stems if f"{stem}s" in stems)
 
 
 def _long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
