@@ -1,6 +1,7 @@
 """The package's shape, read from its source: subpackages import each other without cycles, the
-layers below the command line and the Python API never import them, and every module's file
-name is its own (a reader never has to ask which `convert.py`)."""
+layers below the command line and the Python API never import them, every module's file name
+is its own (a reader never has to ask which `convert.py`), and no function is longer than a
+reader can follow at once."""
 
 import ast
 import collections
@@ -14,6 +15,8 @@ SOURCES = {"t5tpu": ROOT / "t5tpu", "t5tpu.tasks": ROOT / "tasks"}
 # On top: the command line, the Python API, the server (which runs the API's models), and
 # `t5tpu` itself (whose `t5tpu.load` is the API's).
 TOP = {"t5tpu", "t5tpu.api", "t5tpu.cli", "t5tpu.serve"}
+# Lines from a function's `def` to the last line of its body (docstring in, decorators out).
+MAX_FUNCTION_LINES = 60
 
 
 def _modules() -> dict[str, pathlib.Path]:
@@ -113,6 +116,9 @@ def test_every_module_file_name_is_unique():
         path.name for path in _modules().values() if path.name != "__init__.py"
     )
     assert not [name for name, count in names.items() if count > 1]
+    # Nor one name and its plural (prediction_file.py beside prediction_files.py).
+    stems = {name.removesuffix(".py") for name in names}
+    assert not sorted(stem for stem in stems if f"{stem}s" in stems)
 
 
 # --- the server names no task -----------------------------------------------------------------
@@ -214,3 +220,37 @@ def test_the_server_names_no_task():
         for path in (SOURCES["t5tpu"] / "serve").glob("*.py")
     }
     assert not {name: words for name, words in found.items() if words}
+
+
+
+def _long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'path:line name length' of every function (nested ones and methods too) in `paths`
+    longer than `limit` lines."""
+    found = []
+    for path in sorted(paths):
+        shown = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{shown}:{node.lineno} {node.name} {length}")
+    return found
+
+
+def test_a_function_is_counted_from_its_def_to_its_last_line(tmp_path):
+    path = tmp_path / "module.py"
+    path.write_text(
+        '@decorator\ndef outer():\n    """Doc."""\n\n    def inner():\n        return 1\n\n'
+        "    return inner\n"
+    )
+    assert _long_functions([path], limit=6) == [f"{path}:2 outer 7"]
+    assert _long_functions([path], limit=1) == [f"{path}:2 outer 7", f"{path}:5 inner 2"]
+    assert _long_functions([path], limit=7) == []
+
+
+def test_no_function_is_longer_than_the_limit():
+    assert len(_modules()) > 100  # the scan saw t5tpu/ and tasks/
+    long = _long_functions(_modules().values())
+    assert not long, f"split these along their seams (at most {MAX_FUNCTION_LINES} lines): " + (
+        "; ".join(long)
+    )

@@ -15,7 +15,7 @@ import pytest
 from cli_runs import succeeded, t5tpu
 
 from t5tpu import package_files
-from t5tpu.bench import hf, kernels, limits, names, timing, workloads
+from t5tpu.bench import hf, kernels, limits, timing, workload_names, workloads
 from t5tpu.cli import bench
 
 TINY = "configs/models/t5_1_1/tiny.gin"
@@ -30,7 +30,7 @@ def run_bench(capfd, *flags):
     return capfd.readouterr().out.splitlines()
 
 
-def by_workload(results, impl=names.OURS):
+def by_workload(results, impl=workload_names.OURS):
     return {r["workload"]: r for r in results if r.get("impl", impl) == impl}
 
 
@@ -40,7 +40,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
     summary = [json.loads(line) for line in run_bench(capfd, *flags)]
     results = [json.loads(line) for line in output.read_text().splitlines()]
 
-    ours, hf = by_workload(results), by_workload(results, names.HF)
+    ours, hf = by_workload(results), by_workload(results, workload_names.HF)
     assert ours["machine"]["backend"] == jax.default_backend()
     for workload in ("train", "score"):
         for impl in (ours, hf):
@@ -63,7 +63,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
         assert ours[workload]["prefill_seconds"] > 0
     assert ours["pipeline"]["task"] == "qp_is_duplicate" and ours["pipeline"]["examples_per_s"] > 0
 
-    both = f"{names.OURS}/{names.HF}"
+    both = f"{workload_names.OURS}/{workload_names.HF}"
     ratios = {r["workload"]: r for r in results if r.get("impl") == both}
     assert set(ratios) == {"train", "score", "greedy", "beam"}
     assert ratios["greedy"]["ratio"] == pytest.approx(
@@ -77,7 +77,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
 
 def check_summary(summary, ours):
     """--json's stdout: one line per workload, t5tpu's figures with HF's beside them."""
-    assert [line["workload"] for line in summary] == list(names.WORKLOADS)
+    assert [line["workload"] for line in summary] == list(workload_names.WORKLOADS)
     for line in summary:
         assert line["tokens_per_s"] > 0 and line["step_ms"] > 0 and line["limit"]
     lines = {line["workload"]: line for line in summary}
@@ -146,13 +146,17 @@ def test_bf16_against_float32_in_the_same_run(capfd, tmp_path):
     flags = [BF16, "--compare_float32", "--json", "--workloads=train,score,greedy"]
     summary = [json.loads(line) for line in run_bench(capfd, *flags, f"--output={output}")]
     results = [json.loads(line) for line in output.read_text().splitlines()]
-    ours, float32 = by_workload(results), by_workload(results, names.FLOAT32)
+    ours, float32 = by_workload(results), by_workload(results, workload_names.FLOAT32)
     assert ours["machine"]["dtype"] == "bfloat16"
     for workload in ("train", "score"):
         assert "bfloat16 matmul, float32 accumulation" in ours[workload]["limit"]
         assert "float32 matmul" in float32[workload]["limit"]
         assert "bfloat16" not in float32[workload]["limit"]
-    ratios = {r["workload"]: r for r in results if r.get("impl") == f"{names.OURS}/{names.FLOAT32}"}
+    ratios = {
+        r["workload"]: r
+        for r in results
+        if r.get("impl") == f"{workload_names.OURS}/{workload_names.FLOAT32}"
+    }
     assert set(ratios) == {"train", "score", "greedy"}
     lines = {line["workload"]: line for line in summary}
     for workload in ("train", "score", "greedy"):

@@ -20,12 +20,14 @@ from t5x_checkpoints import STEP as T5X_STEP
 from t5x_checkpoints import expected_values, write_t5x_checkpoint
 from tiny import tiny_config
 
+from t5tpu import api
 from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import conversion, hf_format, param_mapping
+from t5tpu.formats import checkpoint_reader, conversion, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.runners import train
 from t5tpu.storage import checkpoints
 
 # The tiny T5 1.1, narrower; its vocabulary is the bundled 1,024-piece model, so the Quora
@@ -61,7 +63,7 @@ def converted(hf_dir, tmp_path_factory):
 
 
 def _restore(model_dir: str, step: int, config: T5Config):
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mngr = checkpoints.manager(model_dir, read_only=True)
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
@@ -80,7 +82,7 @@ def test_hf_import_writes_a_checkpoint_and_model_gin(hf_dir, converted):
     _, params = hf_dir
     assert sorted(os.listdir(converted)) == ["checkpoint_0", "model.gin", "spiece.model"]
     _assert_same(_restore(converted, 0, CONFIG), params)
-    _assert_same(conversion.load_pretrained(f"{converted}/checkpoint_0", params), params)
+    _assert_same(conversion.open_checkpoint(f"{converted}/checkpoint_0").load(params), params)
     text = pathlib.Path(converted, "model.gin").read_text()
     for line in (
         "T5Config.vocab_size = 1024",
@@ -99,6 +101,44 @@ def test_hf_import_writes_a_checkpoint_and_model_gin(hf_dir, converted):
         f"INITIAL_CHECKPOINT_PATH = '{converted}/checkpoint_0'",
     ):
         assert line in text.splitlines(), line
+
+
+def test_one_load_opens_its_checkpoint_once(hf_dir, converted, tmp_path, monkeypatch):
+    """Each storage question is a round trip on gs://: t5tpu.load, and a run's
+    INITIAL_CHECKPOINT_PATH, find the format and open the reader once, then pass them along."""
+    detected, opened = [], []
+    detect = conversion.detect_format
+
+    def counted_detect(path, *args, **kwargs):
+        detected.append(path)
+        return detect(path, *args, **kwargs)
+
+    class CountedHF(hf_format.HFCheckpoint):
+        def __init__(self, directory):
+            opened.append(directory)
+            super().__init__(directory)
+
+    monkeypatch.setattr(conversion, "detect_format", counted_detect)
+    monkeypatch.setitem(conversion.IMPORTERS, "hf", CountedHF)
+    directory, params = hf_dir
+    step_dir = f"{converted}/checkpoint_0"
+    for path, found, readers in (
+        (directory, directory, [directory]),
+        (step_dir, step_dir, []),
+        (converted, step_dir, []),  # a MODEL_DIR: its newest checkpoint
+    ):
+        detected.clear()
+        opened.clear()
+        model = api.load(path, batch_size=2, dtype="float32")
+        assert (detected, opened) == ([found], readers), path
+        _assert_same(jax.device_get(model.params), params)
+    detected.clear()
+    opened.clear()
+    start = train._start_point(str(tmp_path), directory, train_steps=1, relative_steps=False)
+    assert start.input_start_step == 0
+    loaded = start.initial_checkpoint.load(checkpoint_reader.abstract_params(CONFIG))
+    assert (detected, opened) == ([directory], [directory])
+    _assert_same(loaded, params)
 
 
 def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_path):

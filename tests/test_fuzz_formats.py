@@ -28,15 +28,15 @@ from tiny import tiny_config
 
 from t5tpu.data import vocab
 from t5tpu.formats import (
+    checkpoint_reader,
     conversion,
     hf_format,
     hf_tokenizer,
     mesh_tf_format,
-    param_mapping,
     tf_bundle_index,
 )
 from t5tpu.runtime.lazy_imports import import_tensorflow_quietly, tf
-from t5tpu.storage import readability
+from t5tpu.storage import checkpoint_damage, checkpoints
 
 # Tiny enough that a case reads a few kilobytes: T5 1.1 (untied, gated), one layer per stack.
 CONFIG = tiny_config(
@@ -52,12 +52,12 @@ CONFIG = tiny_config(
 
 @functools.cache
 def _abstract(config):
-    return param_mapping.abstract_params(config)
+    return checkpoint_reader.abstract_params(config)
 
 
 def _params(config) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(0)
-    shapes = param_mapping.model_shapes(_abstract(config))
+    shapes = checkpoints.flat_shapes(_abstract(config))
     return {name: rng.standard_normal(shape).astype(np.float32) for name, shape in shapes.items()}
 
 
@@ -401,7 +401,7 @@ def _write_mesh_tf_checkpoint() -> None:
     """model.ckpt-7 as the `t5` library saves it (one Adafactor slot kept as a sample), with
     the state file naming it relatively, as the published ones do."""
     variables = {
-        mesh_tf_format.NAMES(name): param_mapping.to_flat_layout(name, array)
+        mesh_tf_format.NAMES(name): checkpoint_reader.to_flat_layout(name, array)
         for name, array in _params(CONFIG).items()
     }
     names = [*variables, "shared/embedding_slot_vr", "global_step"]
@@ -537,7 +537,7 @@ def test_a_missing_data_shard_is_named(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# t5tpu's own checkpoints (orbax): the metadata readability.py reads before orbax does
+# t5tpu's own checkpoints (orbax): the metadata checkpoint_damage.py reads before orbax does
 
 ORBAX_STEP_DIR = conversion.save_params(
     _folder("orbax"), 0, traverse_util.unflatten_dict(_params(CONFIG), sep="/")
@@ -545,16 +545,16 @@ ORBAX_STEP_DIR = conversion.save_params(
 ORBAX_FILES = {
     name: os.path.join(ORBAX_STEP_DIR, name)
     for name in (
-        readability.CHECKPOINT_METADATA,
-        f"params/{readability.ITEM_METADATA}",
-        f"params/{readability.OCDBT_MANIFEST}",
-        f"params/ocdbt.process_0/{readability.OCDBT_MANIFEST}",
+        checkpoint_damage.CHECKPOINT_METADATA,
+        f"params/{checkpoint_damage.ITEM_METADATA}",
+        f"params/{checkpoint_damage.OCDBT_MANIFEST}",
+        f"params/ocdbt.process_0/{checkpoint_damage.OCDBT_MANIFEST}",
     )
 }
 ORBAX_VALID = {name: _read(path) for name, path in ORBAX_FILES.items()}
 _ORBAX_JSON = {
     name: json.loads(ORBAX_VALID[name])
-    for name in (readability.CHECKPOINT_METADATA, f"params/{readability.ITEM_METADATA}")
+    for name in (checkpoint_damage.CHECKPOINT_METADATA, f"params/{checkpoint_damage.ITEM_METADATA}")
 }
 _ORBAX_JSON_NODES = [
     (name, path) for name, document in _ORBAX_JSON.items() for path in _json_paths(document)
@@ -562,7 +562,7 @@ _ORBAX_JSON_NODES = [
 
 
 def _restore_orbax():
-    return conversion.load_pretrained(ORBAX_STEP_DIR, _abstract(CONFIG))
+    return conversion.open_checkpoint(ORBAX_STEP_DIR).load(_abstract(CONFIG))
 
 
 def _assert_orbax_refused():

@@ -22,10 +22,11 @@ from tiny import tiny_config
 
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import hf_format, param_mapping
+from t5tpu.formats import checkpoint_reader, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.storage import checkpoints
 
 VOCAB, D_MODEL, HEADS, D_KV, D_FF, LAYERS = 128, 64, 2, 32, 128, 2
 EOS = 1
@@ -92,7 +93,7 @@ def saved(tmp_path_factory):
         model.save_pretrained(directory)
         checkpoint = hf_format.HFCheckpoint(directory)
         config = checkpoint.config()
-        params = checkpoint.load(param_mapping.abstract_params(config))
+        params = checkpoint.load(checkpoint_reader.abstract_params(config))
         out[variant] = (model, directory, config, params)
     return out
 
@@ -217,7 +218,7 @@ def test_export_gives_identical_tensors_and_logits(saved, variant, tmp_path):
 
 def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
     model, _, config, params = saved["1.1"]
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     sharded, torch_dir = str(tmp_path / "sharded"), str(tmp_path / "torch")
     model.save_pretrained(sharded, max_shard_size="100KB")
     model.save_pretrained(torch_dir, safe_serialization=False)
@@ -231,7 +232,7 @@ def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
 
 def test_refuses_another_geometry_listing_names_and_shapes(saved):
     _, directory, config, _ = saved["1.1"]
-    other = param_mapping.abstract_params(
+    other = checkpoint_reader.abstract_params(
         T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3})
     )
     with pytest.raises(UserError) as error:
@@ -249,7 +250,7 @@ def test_t5_1_0_checkpoint_is_refused_by_a_t5_1_1_model(saved):
     _, directory, config, _ = saved["1.0"]
     gated = T5Config(**{**config.__dict__, "mlp_activations": ("gelu", "linear")})
     with pytest.raises(UserError, match=r"wi_0\.weight: missing"):
-        hf_format.HFCheckpoint(directory).load(param_mapping.abstract_params(gated))
+        hf_format.HFCheckpoint(directory).load(checkpoint_reader.abstract_params(gated))
 
 
 def test_spiece_model_is_picked_up_as_the_vocabulary(saved, tmp_path):
@@ -324,8 +325,8 @@ FLAN_T5_SMALL = {
 
 @pytest.mark.parametrize("hf_config, count", [(T5_SMALL, 60_506_624), (FLAN_T5_SMALL, 76_961_152)])
 def test_published_configs_give_the_published_parameter_counts(hf_config, count):
-    abstract = param_mapping.abstract_params(hf_format.config_from_hf(hf_config))
-    assert sum(math.prod(s) for s in param_mapping.model_shapes(abstract).values()) == count
+    abstract = checkpoint_reader.abstract_params(hf_format.config_from_hf(hf_config))
+    assert sum(math.prod(s) for s in checkpoints.flat_shapes(abstract).values()) == count
 
 
 def test_config_round_trips_and_unsupported_activations_are_refused():

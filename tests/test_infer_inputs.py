@@ -261,10 +261,13 @@ def test_inputs_longer_than_the_input_length_are_truncated_and_marked():
 def test_truncation_error_names_the_first_overlong_input_before_any_work():
     source = infer_inputs.from_texts(["x" * 3, "x" * 20, "x" * 9], None)
     with pytest.raises(UserError, match=re.escape("2 of 3 inputs are longer than 8 tokens")):
-        infer_runner._refuse_overlong(source, _CharVocabulary(), 8)
+        infer_runner._refuse_overlong("error", source, _CharVocabulary(), 8)
     with pytest.raises(UserError, match=re.escape("the first on INFER_INPUTS[1]")):
-        infer_runner._refuse_overlong(source, _CharVocabulary(), 8)
-    infer_runner._refuse_overlong(infer_inputs.from_texts(["x"], None), _CharVocabulary(), 8)
+        infer_runner._refuse_overlong("error", source, _CharVocabulary(), 8)
+    infer_runner._refuse_overlong(
+        "error", infer_inputs.from_texts(["x"], None), _CharVocabulary(), 8
+    )
+    infer_runner._refuse_overlong("warn", source, _CharVocabulary(), 8)  # truncated when decoded
 
 
 def test_infer_truncation_takes_warn_or_error():

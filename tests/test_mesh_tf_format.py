@@ -14,7 +14,7 @@ from flax import traverse_util
 from t5x_checkpoints import CONFIGS, random_params, t5x_layout
 
 from t5tpu.errors import UserError
-from t5tpu.formats import conversion, mesh_tf_format, param_mapping
+from t5tpu.formats import checkpoint_reader, conversion, mesh_tf_format
 from t5tpu.model.network import T5Config
 
 STEP = 1_000_000
@@ -122,7 +122,7 @@ def test_imports_every_parameter_exactly(checkpoint, given):
     config, params, directory, prefix = checkpoint
     path = directory if given == "directory" else prefix
     assert conversion.detect_format(path) == "mesh_tf"
-    imported = conversion.load_pretrained(path, param_mapping.abstract_params(config))
+    imported = conversion.open_checkpoint(path).load(checkpoint_reader.abstract_params(config))
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = _expected(params)
     assert sorted(flat) == sorted(expected)
@@ -135,7 +135,7 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, directory, prefix = checkpoint
     assert mesh_tf_format.MeshTFCheckpoint(directory).config() == config
     assert mesh_tf_format.MeshTFCheckpoint(prefix).step == STEP
-    assert conversion.pretrained_step(directory) == STEP
+    assert conversion.open_checkpoint(directory).step == STEP
 
 
 def test_rms_norm_spelling_is_accepted(tmp_path):
@@ -144,7 +144,9 @@ def test_rms_norm_spelling_is_accepted(tmp_path):
     variables = t5_library_variables(params, config, norm="rms_norm")
     variables["encoder/rms_norm/scale"] = variables.pop("encoder/final_layer_norm/scale")
     prefix = write_mesh_tf_checkpoint(str(tmp_path), variables, 7)
-    imported = mesh_tf_format.MeshTFCheckpoint(prefix).load(param_mapping.abstract_params(config))
+    imported = mesh_tf_format.MeshTFCheckpoint(prefix).load(
+        checkpoint_reader.abstract_params(config)
+    )
     np.testing.assert_array_equal(
         imported["encoder"]["encoder_norm"]["scale"], params["encoder/encoder_norm/scale"]
     )
@@ -158,7 +160,7 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
     config, _, directory, _ = checkpoint
     other = T5Config(**{**config.__dict__, "mlp_dim": 48})
     with pytest.raises(UserError) as error:
-        mesh_tf_format.MeshTFCheckpoint(directory).load(param_mapping.abstract_params(other))
+        mesh_tf_format.MeshTFCheckpoint(directory).load(checkpoint_reader.abstract_params(other))
     message = str(error.value)
     assert f"Mesh TF checkpoint {directory} has another geometry" in message
     wo = "decoder/block_000/layer_002/DenseReluDense/wo/kernel"

@@ -269,7 +269,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     abstract = _abstract(stacked)
     # A t5tpu checkpoint_N directory, as INITIAL_CHECKPOINT_PATH.
     step_dir = conversion.save_params(str(tmp_path / "t5tpu"), 0, unrolled)
-    loaded = conversion.load_pretrained(step_dir, abstract, _single_device(abstract))
+    loaded = conversion.open_checkpoint(step_dir).load(abstract, _single_device(abstract))
     assert_trees_equal(jax.device_get(loaded), stacked)
     # A Hugging Face directory, read by its importer (layers_N) and then stacked.
     hf_dir = str(tmp_path / "hf")
@@ -278,7 +278,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     bundled = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
     hf_format.export(hf_params, config, hf_dir, bundled)
     expected = layer_stacking.stack_layers(hf_params)
-    loaded = conversion.load_pretrained(hf_dir, _abstract(expected))
+    loaded = conversion.open_checkpoint(hf_dir).load(_abstract(expected))
     assert_trees_equal(loaded, expected)
 
 

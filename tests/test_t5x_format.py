@@ -19,7 +19,7 @@ from t5x_checkpoints import (
 )
 
 from t5tpu.errors import UserError
-from t5tpu.formats import conversion, param_mapping, t5x_format
+from t5tpu.formats import checkpoint_reader, conversion, t5x_format
 from t5tpu.model.network import T5Config
 
 
@@ -33,7 +33,7 @@ def checkpoint(request, tmp_path_factory):
 
 def test_imports_every_parameter_exactly(checkpoint):
     config, params, path = checkpoint
-    imported = t5x_format.T5XCheckpoint(path).load(param_mapping.abstract_params(config))
+    imported = t5x_format.T5XCheckpoint(path).load(checkpoint_reader.abstract_params(config))
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = expected_values(params)
     assert sorted(flat) == sorted(expected)
@@ -49,16 +49,16 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     reader = t5x_format.T5XCheckpoint(path)
     assert reader.config() == config
     assert reader.step == STEP
-    assert conversion.pretrained_step(path) == STEP
+    assert conversion.open_checkpoint(path).step == STEP
 
 
-def test_load_pretrained_detects_the_directory_and_the_index_file(checkpoint):
+def test_open_checkpoint_detects_the_directory_and_the_index_file(checkpoint):
     config, params, path = checkpoint
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     assert conversion.detect_format(path) == "t5x"
     assert conversion.detect_format(os.path.join(path, "checkpoint")) == "t5x"
     for given in (path, os.path.join(path, "checkpoint")):
-        imported = conversion.load_pretrained(given, abstract)
+        imported = conversion.open_checkpoint(given).load(abstract)
         np.testing.assert_array_equal(
             imported["token_embedder"]["embedding"], params["token_embedder/embedding"]
         )
@@ -66,10 +66,10 @@ def test_load_pretrained_detects_the_directory_and_the_index_file(checkpoint):
 
 def test_shardings_place_each_parameter(checkpoint):
     config, _, path = checkpoint
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
-    imported = conversion.load_pretrained(path, abstract, shardings)
+    imported = conversion.open_checkpoint(path).load(abstract, shardings)
     leaves = jax.tree_util.tree_leaves(imported)
     assert all(isinstance(x, jax.Array) and x.sharding == device for x in leaves)
 
@@ -78,7 +78,7 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
     config, _, path = checkpoint
     wider = T5Config(**{**config.__dict__, "num_heads": 4})
     with pytest.raises(UserError) as error:
-        t5x_format.T5XCheckpoint(path).load(param_mapping.abstract_params(wider))
+        t5x_format.T5XCheckpoint(path).load(checkpoint_reader.abstract_params(wider))
     message = str(error.value)
     assert f"T5X checkpoint {path} has another geometry" in message
     key = "decoder/layers_0/encoder_decoder_attention/key/kernel"

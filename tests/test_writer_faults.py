@@ -41,7 +41,7 @@ from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import conversion, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import Transformer
-from t5tpu.runners import evaluator, infer_chunks, outputs, prediction_files
+from t5tpu.runners import evaluator, infer_chunks, prediction_files, results_dir
 from t5tpu.runtime import compilation_cache
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage import summaries
@@ -134,7 +134,7 @@ def _train_config(folder, version, root):
 
 def _eval_config(folder, version, root):
     with mock.patch.object(gin, "operative_config_str", return_value=_text(version)):
-        outputs.write_config(str(folder / paths.EVAL_CONFIG))
+        results_dir.write_config(str(folder / paths.EVAL_CONFIG))
 
 
 def _lines(start: int, end: int, version: int) -> list[str]:

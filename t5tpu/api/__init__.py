@@ -12,12 +12,12 @@ imports neither jax nor TensorFlow. Importing this package turns on jax's persis
 cache as the command line does (t5tpu/runtime/compilation_cache.py).
 """
 
-from t5tpu.runtime import process_setup
+from t5tpu.runtime import compilation_cache
 
 # Compiled programs kept on disk as the command line keeps them, so a notebook's second
 # `load(...).predict` starts without compiling (T5TPU_COMPILATION_CACHE=off turns it off; a
 # cache directory jax already has is left as it is).
-process_setup.enable_compilation_cache()
+compilation_cache.enable()
 
 from t5tpu.api.finetune import finetune  # noqa: E402
 from t5tpu.api.loading import load  # noqa: E402

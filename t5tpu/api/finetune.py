@@ -11,7 +11,7 @@ runner, in this process, printing the same progress lines.
 from __future__ import annotations
 
 from t5tpu.api.loading import library_notes_hidden
-from t5tpu.runtime import process_setup
+from t5tpu.runtime import lazy_imports
 
 
 def _binding(name: str, value) -> str:
@@ -40,7 +40,7 @@ def finetune(
     """
     # Training reads its data through TensorFlow: imported first, quietly, so that nothing
     # imported after it loads it with its start-up noise.
-    process_setup.import_tensorflow_quietly()
+    lazy_imports.import_tensorflow_quietly()
     from t5tpu.config import gin_setup
     from t5tpu.runners import train
 

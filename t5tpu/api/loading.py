@@ -35,11 +35,11 @@ _INIT_LENGTHS = (8, 8)
 @dataclasses.dataclass(frozen=True)
 class _Description:
     """What a checkpoint says about its model: geometry, vocabulary (None: unknown, so only
-    `logits`, `score` on ids and `generate_ids` work) and where its parameters are."""
+    `logits`, `score` on ids and `generate_ids` work) and the checkpoint, opened."""
 
     config: T5Config
     vocabulary: object | None
-    checkpoint: str
+    checkpoint: conversion.OpenedCheckpoint
 
 
 def _newest_checkpoint(model_dir: str, step: int | None) -> str:
@@ -53,14 +53,16 @@ def _is_model_dir(path: str) -> bool:
     return folder.is_dir() and any(folder.glob(f"{paths.STEP_PREFIX}_*"))
 
 
-def _t5tpu_description(checkpoint: str, gin_files: list[str]) -> _Description:
+def _t5tpu_description(
+    checkpoint: conversion.OpenedCheckpoint, gin_files: list[str]
+) -> _Description:
     """A t5tpu checkpoint, described by `gin_files` or else the model.gin or config.gin beside
     it (without either, its geometry as the shapes tell and no vocabulary)."""
-    run_dir = os.path.dirname(checkpoint.rstrip("/"))
+    run_dir = checkpoint.step_dir.model_dir
     beside = [os.path.join(run_dir, name) for name in (paths.MODEL_GIN, paths.TRAIN_CONFIG)]
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     mngr = checkpoints.manager(run_dir, read_only=True)
-    shapes = checkpoints.flat_shapes(mngr.item_metadata(paths.step_of(checkpoint))["params"])
+    shapes = checkpoints.flat_shapes(mngr.item_metadata(checkpoint.step)["params"])
     config, vocabulary = conversion.model_from_gin(gin_files, shapes)
     if vocabulary is None and gin_files:
         # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
@@ -69,27 +71,30 @@ def _t5tpu_description(checkpoint: str, gin_files: list[str]) -> _Description:
     return _Description(config, vocabulary, checkpoint)
 
 
-def _imported_description(path: str, gin_files: list[str]) -> _Description:
+def _imported_description(
+    checkpoint: conversion.OpenedCheckpoint, gin_files: list[str]
+) -> _Description:
     """A Hugging Face, T5X or Mesh TF checkpoint: its own description (config.json and
     spiece.model; T5X and Mesh TF record neither vocabulary nor activations, so these are
     T5 1.1's, without a vocabulary) unless `gin_files` give the model."""
-    importer = conversion.IMPORTERS[conversion.detect_format(path)]
     if gin_files:  # names and shapes are checked against the checkpoint when it is read
         config, vocabulary = conversion.model_from_gin(gin_files, None)
-        return _Description(config, vocabulary, path)
-    checkpoint = importer(path)
-    return _Description(checkpoint.config(), checkpoint.vocabulary().load(), path)
+        return _Description(config, vocabulary, checkpoint)
+    reader = checkpoint.reader
+    return _Description(reader.config(), reader.vocabulary().load(), checkpoint)
 
 
 def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description:
     # T5X's model dirs hold checkpoint_<step> folders too: load one of those by its own path.
     if _is_model_dir(path):
-        return _t5tpu_description(_newest_checkpoint(path, step), gin_files)
-    if step is not None:
+        path = _newest_checkpoint(path, step)
+    elif step is not None:
         raise UserError(f"step={step} picks a checkpoint of a t5tpu MODEL_DIR; {path} is not one")
-    if conversion.detect_format(path) == "t5tpu":
-        return _t5tpu_description(path, gin_files)
-    return _imported_description(path, gin_files)
+    # Opened once: each storage question is a round trip on gs://.
+    checkpoint = conversion.open_checkpoint(path)
+    if checkpoint.format == "t5tpu":
+        return _t5tpu_description(checkpoint, gin_files)
+    return _imported_description(checkpoint, gin_files)
 
 
 def load(
@@ -126,7 +131,7 @@ def load(
             config = dataclasses.replace(config, dtype=dtype)
         model = EncoderDecoderModel(config, vocabulary)
         abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
-        params = conversion.load_pretrained(description.checkpoint, abstract, shardings)
+        params = description.checkpoint.load(abstract, shardings)
     shapes = Shapes.for_devices(
         batch_size=batch_size,
         max_input_length=max_input_length,
@@ -140,7 +145,7 @@ def load(
         partitioner=partitioner,
         shapes=shapes,
         has_vocabulary=description.vocabulary is not None,
-        source=description.checkpoint,
+        source=description.checkpoint.path,
     )
 
 

@@ -205,13 +205,13 @@ class T5Model:
         a JSON-lines file of {"input", "prediction"}, as `t5tpu infer` does: in chunks saved
         beside it, so calling again after an interruption continues where it stopped, and the
         result is the same bytes. Returns `output_file`."""
-        from t5tpu.api import prediction_file
+        from t5tpu.api import predict_file
 
         _check_count("chunk_size", chunk_size)
         chosen = self._settings(
             settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
         )
-        return prediction_file.write(
+        return predict_file.write(
             input_file,
             output_file,
             decode=lambda texts, first: self._predict_texts(texts, first=first, settings=chosen),

@@ -9,7 +9,7 @@ import platform
 
 import jax
 
-from t5tpu.bench.names import FLOAT32, HF, OURS, REFERENCES, WORKLOADS
+from t5tpu.bench.workload_names import FLOAT32, HF, OURS, REFERENCES, WORKLOADS
 
 
 def throughput(seconds: float, batch: int, tokens_per_example: int) -> dict:

@@ -17,7 +17,6 @@ import numpy as np
 from t5tpu.bench import hf
 from t5tpu.bench.kernels import decode_step_dense, dense_probe, forward_dense
 from t5tpu.bench.limits import bandwidth, decode_step_bytes, make_probes, peak_name, probe_all
-from t5tpu.bench.names import FLOAT32, HF, OURS
 from t5tpu.bench.report import (
     decode_result,
     dense_share,
@@ -29,6 +28,7 @@ from t5tpu.bench.report import (
     xla_cost,
 )
 from t5tpu.bench.timing import Workload, compile_seconds, measure
+from t5tpu.bench.workload_names import FLOAT32, HF, OURS
 from t5tpu.errors import UserError
 
 

@@ -16,7 +16,7 @@ import importlib.util
 import json
 import os
 
-from t5tpu.bench.names import WORKLOADS
+from t5tpu.bench.workload_names import WORKLOADS
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
 from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.errors import UserError

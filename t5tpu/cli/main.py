@@ -14,7 +14,7 @@ from absl import app, flags, logging
 
 from t5tpu.cli import commands, gin_flags, help_text
 from t5tpu.errors import EnvironmentFault, UserError, environment_fault, one_line_message
-from t5tpu.runtime import host_memory, process_setup
+from t5tpu.runtime import compilation_cache, host_memory, lazy_imports, multihost
 
 HELP_WORDS = frozenset({"-h", "--help", "--helpshort", "help"})
 # Exit codes: the user's input (fix it and rerun) versus the machine (a full disk, a failing
@@ -56,13 +56,13 @@ def main(argv: list[str]) -> None:
     if command is None:
         fail(commands.unknown_command(argv[1:]))
     if command.tensorflow:
-        process_setup.import_tensorflow_quietly()
+        lazy_imports.import_tensorflow_quietly()
     if command.compilation_cache:
-        process_setup.enable_compilation_cache()
+        compilation_cache.enable()
     from t5tpu.config import gin_setup
 
     try:
-        process_setup.initialize_distributed(
+        multihost.initialize_distributed(
             coordinator_address=gin_flags.COORDINATOR_ADDRESS.value,
             num_processes=gin_flags.NUM_PROCESSES.value,
             process_id=gin_flags.PROCESS_ID.value,
@@ -98,9 +98,9 @@ def run_tool(command: commands.ToolCommand, argv: list[str]) -> None:
     try:
         args = command.module.parse_args(argv)
         if command.tensorflow:
-            process_setup.import_tensorflow_quietly()
+            lazy_imports.import_tensorflow_quietly()
         if command.compilation_cache:
-            process_setup.enable_compilation_cache()
+            compilation_cache.enable()
         code = command.module.run(args)
     except UserError as e:
         fail(one_line_message(e))

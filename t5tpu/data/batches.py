@@ -53,18 +53,6 @@ def padded_batches(ds: tf.data.Dataset, batch_size: int) -> Iterator[tuple[np.nd
         yield indices, _padded(features, batch_size)
 
 
-def padded_array_batches(
-    features: Mapping[str, np.ndarray], batch_size: int
-) -> Iterator[tuple[np.ndarray, dict]]:
-    """The batches padded_batches makes, of arrays already in memory (one example a row):
-    without tf.data, which decoding a few given inputs should not wait to import."""
-    count = len(next(iter(features.values())))
-    for start in range(0, count, batch_size):
-        rows = slice(start, min(start + batch_size, count))
-        batch = {k: np.asarray(v[rows]) for k, v in features.items()}
-        yield np.arange(rows.start, rows.stop), _padded(batch, batch_size)
-
-
 def _padded(features: dict, batch_size: int) -> dict:
     missing = batch_size - len(next(iter(features.values())))
     if not missing:

@@ -1,7 +1,7 @@
 """Pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging Face).
 
-`load_pretrained` is what the train runner calls for an INITIAL_CHECKPOINT_PATH. `to_t5tpu` and
-`to_hf` are what `t5tpu convert` runs (its flags are t5tpu.cli.convert's):
+`open_checkpoint` is what the train runner (INITIAL_CHECKPOINT_PATH) and `t5tpu.load` call.
+`to_t5tpu` and `to_hf` are what `t5tpu convert` runs (its flags are t5tpu.cli.convert's):
 
 - to_t5tpu writes DIR/checkpoint_<step>/params (orbax, parameters only; the step is the
   source's: 0 for Hugging Face) and DIR/model.gin: the model's geometry, the source's vocabulary
@@ -32,10 +32,10 @@ from t5tpu.config import gin_setup
 from t5tpu.data import vocab
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
+    checkpoint_reader,
     hf_format,
     hf_tokenizer,
     mesh_tf_format,
-    param_mapping,
     t5x_format,
     vocabulary_source,
 )
@@ -45,8 +45,8 @@ from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, checkpoints, remote, save_guards, user_files
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
-# The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
-IMPORTERS: dict[str, type[param_mapping.CheckpointReader]] = {
+# The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
+IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
     "hf": hf_format.HFCheckpoint,
     "t5x": t5x_format.T5XCheckpoint,
     "mesh_tf": mesh_tf_format.MeshTFCheckpoint,
@@ -74,13 +74,25 @@ def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
 
 
-def _t5tpu_step_dir(path: str) -> tuple[str, int] | None:
-    """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory, else None."""
-    path = _absolute(path.rstrip("/"))  # orbax needs absolute paths
+@dataclasses.dataclass(frozen=True)
+class StepDir:
+    """A t5tpu checkpoint_<step> directory: its MODEL_DIR (absolute, as orbax needs) and step."""
+
+    model_dir: str
+    step: int
+
+
+def _named_step_dir(path: str) -> StepDir | None:
+    """The StepDir that `path` names (checkpoint_<step>), from its name alone, else None."""
+    path = _absolute(path.rstrip("/"))
     step = step_of(path)
-    if step is not None and epath.Path(path, "params").is_dir():
-        return os.path.dirname(path), step
-    return None
+    return None if step is None else StepDir(os.path.dirname(path), step)
+
+
+def _t5tpu_step_dir(path: str) -> StepDir | None:
+    """The StepDir of a t5tpu checkpoint_<step> directory (it holds params/), else None."""
+    named = _named_step_dir(path)
+    return named if named and epath.Path(path, "params").is_dir() else None
 
 
 def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
@@ -118,36 +130,51 @@ def _single_device(abstract_params):
     return jax.tree_util.tree_map(lambda _: device, abstract_params)
 
 
-def load_pretrained(path: str, abstract_params, shardings=None):
-    """The parameters at `path` (any format detect_format knows), as a tree like
-    `abstract_params` (float32). Names and shapes are checked against the model before anything
-    is read: a mismatch is a UserError listing them. With `shardings` (a tree of shardings like
-    the parameters) each array is placed as it is read; without, they are numpy arrays (t5tpu
-    checkpoints come back on the first device). Every format holds layers unrolled (layers_N);
-    for a model that scans its layers they are stacked after reading."""
-    source = detect_format(path)
-    if source == "t5tpu":
-        model_dir, step = _t5tpu_step_dir(path)
-        # A damaged one is refused in one line before orbax starts: a restore that fails
-        # part-way leaves its worker threads printing tracebacks.
-        checkpoints.check_readable(model_dir, step)
-        return checkpoints.restore_params(
-            checkpoints.manager(model_dir, read_only=True),
-            step,
-            abstract_params,
-            shardings if shardings is not None else _single_device(abstract_params),
-        )
-    unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
-    params = IMPORTERS[source](path).load(unrolled, unrolled_shardings)
-    return layer_stacking.stack_onto(params, abstract_params, shardings)
+@dataclasses.dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint whose format was found once (each storage question is a round trip on
+    gs://): a t5tpu checkpoint_<step> (`step_dir`) or one read through `reader`."""
+
+    path: str
+    format: str  # 'hf', 't5x', 'mesh_tf' or 't5tpu'
+    reader: checkpoint_reader.CheckpointReader | None = None
+    step_dir: StepDir | None = None
+
+    @property
+    def step(self) -> int:
+        """The training step it was saved at (0 for Hugging Face)."""
+        return self.step_dir.step if self.step_dir else self.reader.step
+
+    def load(self, abstract_params, shardings=None):
+        """The parameters, as a tree like `abstract_params` (float32). Names and shapes are
+        checked against the model before anything is read: a mismatch is a UserError listing
+        them. With `shardings` (a tree of shardings like the parameters) each array is placed
+        as it is read; without, they are numpy arrays (t5tpu checkpoints come back on the first
+        device). Every format holds layers unrolled (layers_N); for a model that scans its
+        layers they are stacked after reading."""
+        if self.step_dir:
+            model_dir, step = self.step_dir.model_dir, self.step_dir.step
+            # A damaged one is refused in one line before orbax starts: a restore that fails
+            # part-way leaves its worker threads printing tracebacks.
+            checkpoints.check_readable(model_dir, step)
+            return checkpoints.restore_params(
+                checkpoints.manager(model_dir, read_only=True),
+                step,
+                abstract_params,
+                shardings if shardings is not None else _single_device(abstract_params),
+            )
+        unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
+        params = self.reader.load(unrolled, unrolled_shardings)
+        return layer_stacking.stack_onto(params, abstract_params, shardings)
 
 
-def pretrained_step(path: str) -> int:
-    """The training step the checkpoint at `path` was saved at (0 for Hugging Face)."""
-    source = detect_format(path)
+def open_checkpoint(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> OpenedCheckpoint:
+    """The checkpoint at `path`, in any format detect_format knows, its format found once;
+    `setting` names the path in errors."""
+    source = detect_format(path, setting)
     if source == "t5tpu":
-        return _t5tpu_step_dir(path)[1]
-    return IMPORTERS[source](path).step
+        return OpenedCheckpoint(path, source, step_dir=_named_step_dir(path))
+    return OpenedCheckpoint(path, source, reader=IMPORTERS[source](path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,7 +334,7 @@ def to_t5tpu(
     reader = IMPORTERS[source](input_path)
     config = reader.config()
     step = reader.step
-    params = reader.load(param_mapping.abstract_params(config))
+    params = reader.load(checkpoint_reader.abstract_params(config))
     vocabulary = reader.vocabulary()
 
     output_dir = _absolute(output_dir)
@@ -344,8 +371,8 @@ def _assumptions(config: T5Config) -> str:
     return f"{activation}, relative_attention_max_distance = 128"
 
 
-def _export_source(path: str) -> tuple[str, int]:
-    """(MODEL_DIR, step) of a t5tpu checkpoint_<step> directory or the newest in a MODEL_DIR."""
+def _export_source(path: str) -> StepDir:
+    """A t5tpu checkpoint_<step> directory, or the newest in a MODEL_DIR."""
     remote.check_storage(path, "--input")
     found = _t5tpu_step_dir(path)
     if found:
@@ -354,7 +381,7 @@ def _export_source(path: str) -> tuple[str, int]:
         raise UserError(f"--input={path} is not a directory; give a t5tpu checkpoint_<step>")
     model_dir = _absolute(path.rstrip("/"))
     try:
-        return model_dir, checkpoints.steps_to_restore(model_dir, "latest")[0]
+        return StepDir(model_dir, checkpoints.steps_to_restore(model_dir, "latest")[0])
     except UserError:
         raise UserError(
             f"--input={path} holds no t5tpu checkpoint; give a MODEL_DIR or its checkpoint_<step>"
@@ -381,8 +408,8 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
     checkpoint's shapes (None: checked when the parameters are read); without gin files, the
     geometry the shapes give and no vocabulary."""
     if not gin_files:
-        flat = {name: param_mapping.flat_layout_shape(name, s) for name, s in shapes.items()}
-        config = param_mapping.config_from_flat_shapes(flat)
+        flat = {name: checkpoint_reader.flat_layout_shape(name, s) for name, s in shapes.items()}
+        config = checkpoint_reader.config_from_flat_shapes(flat)
         print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
         return config, None
     gin_setup.import_configurables()
@@ -402,7 +429,7 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
         raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
     finally:
         gin.clear_config()
-    expected = param_mapping.model_shapes(param_mapping.abstract_params(config))
+    expected = checkpoints.flat_shapes(checkpoint_reader.abstract_params(config))
     differences = shapes is not None and checkpoints.geometry_differences(shapes, expected)
     if differences:
         raise UserError(
@@ -438,7 +465,8 @@ def to_hf(
     or config.gin beside it)."""
     if source not in (None, "t5tpu"):
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
-    run_dir, step = _export_source(input_path)
+    source_dir = _export_source(input_path)
+    run_dir, step = source_dir.model_dir, source_dir.step
     checkpoints.check_readable(run_dir, step)  # a half-copied one: one line, nothing written
     _check_output(output_dir, input_path, overwrite)
     mngr = checkpoints.manager(run_dir, read_only=True)
@@ -448,7 +476,7 @@ def to_hf(
     with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
         readable = _readable_gin_files(gin_files, staging)
         config, vocabulary = model_from_gin(readable, shapes)
-    abstract = param_mapping.abstract_params(config)
+    abstract = checkpoint_reader.abstract_params(config)
     params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
     with _written_output(output_dir) as folder:
         hf_format.export(

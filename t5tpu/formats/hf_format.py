@@ -29,7 +29,7 @@ from etils import epath
 from flax import traverse_util
 
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.formats import hf_tokenizer, param_mapping
+from t5tpu.formats import checkpoint_reader, hf_tokenizer
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, remote, user_files
@@ -182,7 +182,7 @@ def _read_json(path: str) -> dict:
 
 
 # Hugging Face's name of each t5tpu parameter: the `t5` library's, spelled as torch modules.
-NAMES = param_mapping.T5Names(
+NAMES = checkpoint_reader.T5Names(
     embedding="shared.weight",
     logits="lm_head.weight",
     relpos_bias="{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
@@ -199,7 +199,7 @@ def _transposed(name: str, flat_shape: tuple[int, ...]) -> bool:
 
 
 def to_hf(name: str, array) -> np.ndarray:
-    flat = param_mapping.to_flat_layout(name, param_mapping.as_float32(array))
+    flat = checkpoint_reader.to_flat_layout(name, checkpoint_reader.as_float32(array))
     return np.ascontiguousarray(flat.T if _transposed(name, flat.shape) else flat)
 
 
@@ -365,7 +365,7 @@ def _shard_files(directory: str, base: str) -> list[str]:
 # import and export
 
 
-class HFCheckpoint(param_mapping.CheckpointReader):
+class HFCheckpoint(checkpoint_reader.CheckpointReader):
     """A Hugging Face T5 directory. config.json and the weight files are read when first
     needed (a pytorch_model.bin is read whole): the step and the vocabulary need neither."""
 
@@ -425,11 +425,13 @@ class HFCheckpoint(param_mapping.CheckpointReader):
     def stored_name(self, name: str) -> str:
         return NAMES(name)
 
-    def source(self, name: str, shape: tuple[int, ...]) -> param_mapping.Source:
-        flat = param_mapping.flat_layout_shape(name, shape)
+    def source(self, name: str, shape: tuple[int, ...]) -> checkpoint_reader.Source:
+        flat = checkpoint_reader.flat_layout_shape(name, shape)
         if not _transposed(name, flat):
             return super().source(name, shape)
-        return param_mapping.Source(NAMES(name), flat[::-1], lambda array: array.T.reshape(shape))
+        return checkpoint_reader.Source(
+            NAMES(name), flat[::-1], lambda array: array.T.reshape(shape)
+        )
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
         tied = self._hf_config.logits_via_embedding

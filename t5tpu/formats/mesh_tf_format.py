@@ -24,7 +24,7 @@ import numpy as np
 from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.formats import param_mapping, tf_bundle_index
+from t5tpu.formats import checkpoint_reader, tf_bundle_index
 from t5tpu.runtime.lazy_imports import tf
 from t5tpu.storage import remote, user_files
 
@@ -36,7 +36,7 @@ _ALIASES = (
     (re.compile(r"/rms_norm/scale$"), "/layer_norm/scale"),
 )
 # The `t5` library's name of each t5tpu parameter.
-NAMES = param_mapping.T5Names(
+NAMES = checkpoint_reader.T5Names(
     embedding="shared/embedding",
     logits="decoder/logits/kernel",
     relpos_bias="{stack}/block_000/layer_000/SelfAttention/relative_attention_bias",
@@ -109,7 +109,7 @@ def checked_index(prefix: str) -> tuple[dict[str, tf_bundle_index.Entry], int]:
     return entries, num_shards
 
 
-class MeshTFCheckpoint(param_mapping.CheckpointReader):
+class MeshTFCheckpoint(checkpoint_reader.CheckpointReader):
     """The parameters of a `t5` library checkpoint (prefix or directory), read lazily. Its
     index and the presence and sizes of its data shards are checked (checked_index) before
     TensorFlow's reader opens it."""

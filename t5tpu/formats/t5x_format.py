@@ -10,7 +10,7 @@ whose path is relative to the checkpoint directory (older specs keep 'path' besi
 Only 'target' is read; the optimizer's slots are left on disk.
 
 T5X parameter names are t5tpu's; its attention kernels are stored 2-D ("flat layout", see
-param_mapping). Version 2 checkpoints stored bfloat16 arrays as uint16 bit patterns; they are
+checkpoint_reader). Version 2 checkpoints stored bfloat16 arrays as uint16 bit patterns; they are
 reinterpreted as bfloat16.
 """
 
@@ -26,7 +26,7 @@ from etils import epath
 from flax import serialization
 
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.formats import param_mapping
+from t5tpu.formats import checkpoint_reader
 from t5tpu.storage import user_files
 
 INDEX_FILE = "checkpoint"
@@ -75,7 +75,7 @@ def _numeric(dtype: np.dtype) -> bool:
     return dtype.kind in "fiu" or dtype == ml_dtypes.bfloat16
 
 
-class T5XCheckpoint(param_mapping.CheckpointReader):
+class T5XCheckpoint(checkpoint_reader.CheckpointReader):
     """The parameters ('target') of one T5X checkpoint directory, read lazily. The index's
     structure and each leaf (an array, or a tensorstore spec) are checked before anything is
     read: a damaged index is one UserError naming it, never a traceback."""

@@ -136,25 +136,21 @@ def _unstack(tree, depths: dict, holder=None):
     return out
 
 
-def _stack(tree):
+def stack_layers(tree):
+    """Every dict's layers_0..layers_{n-1} replaced by one "layers" subtree whose leaves are
+    the layers' leaves stacked along a new leading axis."""
     if not _is_dict(tree):
-        return _rebuild(tree, _stack)
+        return _rebuild(tree, stack_layers)
     indices = sorted(int(m.group(1)) for key in tree if (m := _UNROLLED.fullmatch(key)))
     if indices and indices != list(range(len(indices))):
         raise ValueError(f"layers {indices} are not numbered 0..{len(indices) - 1}")
-    out = {key: _stack(value) for key, value in tree.items()}
+    out = {key: stack_layers(value) for key, value in tree.items()}
     if indices:
         per_layer = [out.pop(f"{LAYERS}_{i}") for i in indices]
         if LAYERS in out:
             raise ValueError(f"a tree holds both {LAYERS!r} and {LAYERS}_N")
         out[LAYERS] = jax.tree_util.tree_map(_stack_leaves, *per_layer)
     return out
-
-
-def stack_layers(tree):
-    """Every dict's layers_0..layers_{n-1} replaced by one "layers" subtree whose leaves are
-    the layers' leaves stacked along a new leading axis."""
-    return _stack(tree)
 
 
 def unstack_layers(tree):

@@ -5,7 +5,7 @@ step -> task -> metric (and the task's num_examples); a new evaluation of a task
 replaces that task's entry and keeps every other. Splits other than 'validation' are kept apart,
 in MODEL_DIR/eval_<split> and eval_<split>_metrics.json (runners/evaluator.py writes them).
 EVAL_OUTPUT_DIR puts these files and eval_config.gin in another folder, for a MODEL_DIR that is
-read-only (runners/outputs.py); the config is written with the first metrics.
+read-only (runners/results_dir.py); the config is written with the first metrics.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import outputs
+from t5tpu.runners import results_dir
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
@@ -120,7 +120,7 @@ def _evaluate_each(
             continue
         results[step] = evaluator(params, step)
         if len(results) == 1:
-            outputs.write_config(config)
+            results_dir.write_config(config)
         if jax.process_index() == 0:
             print(f"step {step}: {json.dumps(results[step], default=float)}", flush=True)
     return results
@@ -154,7 +154,7 @@ def evaluate(
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(num_beams=num_beams, beam_alpha=beam_alpha)
     settings.check(model.config.vocab_size)
-    output_dir = outputs.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
+    output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
     lengths = pipeline.model_lengths(task_feature_lengths)

@@ -11,7 +11,7 @@ chunks, and the final file, assembled from the chunks, is the same however the w
 Within a chunk, inputs are decoded by the engine (model/engine.py): batched by length, padded
 to a few lengths, finished rows replaced by waiting ones.
 INFER_OUTPUT_DIR puts the files and infer_config.gin in another folder, for a MODEL_DIR that is
-read-only (runners/outputs.py); the config is written with the first predictions.
+read-only (runners/results_dir.py); the config is written with the first predictions.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import example_progress, infer_chunks, infer_inputs, outputs, prediction_files
+from t5tpu.runners import (
+    example_progress,
+    infer_chunks,
+    infer_inputs,
+    prediction_files,
+    results_dir,
+)
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import preemption, trainer
@@ -56,9 +62,13 @@ def _encoded(record: infer_inputs.Record, vocabulary, input_length: int) -> _Exa
     return _Example(record, encoded.ids, encoded.truncated)
 
 
-def _refuse_overlong(source: infer_inputs.InputSource, vocabulary, input_length: int) -> None:
+def _refuse_overlong(
+    truncation: str, source: infer_inputs.InputSource, vocabulary, input_length: int
+) -> None:
     """INFER_TRUNCATION='error': every input tokenized before any work, the first one that is
-    too long named."""
+    too long named ('warn' truncates them as they are decoded)."""
+    if truncation != "error":
+        return
     overlong = [
         record.where
         for record in source.read()
@@ -356,7 +366,7 @@ def _decode_each(run: _Run, restorable: _Checkpoints, output_dir: str) -> list[s
                 break
             written.append(path)
             if len(written) == 1:
-                outputs.write_config(paths.infer_config(output_dir))
+                results_dir.write_config(paths.infer_config(output_dir))
     finally:
         watch.close()
     return written
@@ -398,7 +408,7 @@ def infer(
     settings.check(model.config.vocab_size)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(num_examples, truncation, assignment)
-    output_dir = outputs.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
+    output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
     lengths = pipeline.model_lengths(task_feature_lengths)
     source = infer_inputs.chosen(
         inputs=inputs,
@@ -409,8 +419,7 @@ def infer(
         feature_lengths=task_feature_lengths,
         num_examples=num_examples,
     )
-    if truncation == "error":
-        _refuse_overlong(source, model.vocabulary, lengths[0])
+    _refuse_overlong(truncation, source, model.vocabulary, lengths[0])
     restorable = _Checkpoints.checked(
         model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
     )
@@ -422,6 +431,5 @@ def infer(
         lengths=lengths,
         batch_size=batch_size,
     )
-    folder = paths.inference_dir(output_dir)
-    run = _Run(source, decoder, assignment, settings, num_examples, folder)
+    run = _Run(source, decoder, assignment, settings, num_examples, paths.inference_dir(output_dir))
     return _decode_each(run, restorable, output_dir)

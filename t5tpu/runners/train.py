@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +52,9 @@ from t5tpu.tasks import registry
 from t5tpu.training import trainer
 from t5tpu.training.preemption import PreemptionWatch
 from t5tpu.training.progress import Progress
+
+if TYPE_CHECKING:  # the converters import TensorFlow (Mesh TF's reader): not at gin parsing
+    from t5tpu.formats.conversion import OpenedCheckpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +82,8 @@ class StartPoint:
     """Where a run's steps and its input stream start (see the module docstring)."""
 
     resume: checkpoints.ResumePoint | None
-    initial_checkpoint_path: str | None
+    # INITIAL_CHECKPOINT_PATH, opened where the run reads it (see _initial_checkpoint).
+    initial_checkpoint: OpenedCheckpoint | None
     # The step before the input stream's first batch; also the first step of a run that does
     # not resume (a pretrained checkpoint's, else 0).
     input_start_step: int
@@ -163,16 +168,26 @@ def _check_data(data: InputSettings, task_module: str | None, evals: EvalSetting
         availability.check_readable(data.task_name, evals.split, "EVAL_SPLIT")
 
 
-def _input_start_step(resume: checkpoints.ResumePoint | None, initial_path: str | None) -> int:
+def _initial_checkpoint(
+    resume: checkpoints.ResumePoint | None, initial_path: str | None
+) -> OpenedCheckpoint | None:
+    """INITIAL_CHECKPOINT_PATH opened once, where the run reads it: for a fresh run's parameters
+    and step, or for the step of a resume whose checkpoint did not record its input's start."""
+    if not initial_path or (resume and resume.input_start_step is not None):
+        return None
+    from t5tpu.formats import conversion  # imports TensorFlow: not at gin parsing (t5tpu plan)
+
+    return conversion.open_checkpoint(initial_path)
+
+
+def _input_start_step(
+    resume: checkpoints.ResumePoint | None, initial: OpenedCheckpoint | None
+) -> int:
     """The step before the input stream's first batch: a resume's recorded one, else the
     pretrained checkpoint's step (T5 1.1's is 1,000,000), else 0."""
     if resume and resume.input_start_step is not None:
         return resume.input_start_step
-    if not initial_path:
-        return 0
-    from t5tpu.formats import conversion  # imports TensorFlow: see _fresh_state
-
-    return conversion.pretrained_step(initial_path)
+    return initial.step if initial else 0
 
 
 def _start_point(
@@ -182,7 +197,8 @@ def _start_point(
     # batch there, and a resume skips only the batches used since.
     remote.check_storage(initial_checkpoint_path, "INITIAL_CHECKPOINT_PATH")
     resume = checkpoints.resume_point(model_dir)
-    input_start_step = _input_start_step(resume, initial_checkpoint_path)
+    initial = _initial_checkpoint(resume, initial_checkpoint_path)
+    input_start_step = _input_start_step(resume, initial)
     last_step = train_steps + (input_start_step if relative_steps else 0)
     if not resume and input_start_step >= last_step > 0:
         raise UserError(
@@ -191,7 +207,7 @@ def _start_point(
             f"{input_start_step + train_steps}, or train.relative_steps = True for {train_steps} "
             "more"
         )
-    return StartPoint(resume, initial_checkpoint_path, input_start_step, last_step)
+    return StartPoint(resume, initial, input_start_step, last_step)
 
 
 def _resumed_state(*, setup: StepSetup, mngr, step: int) -> trainer.TrainState:
@@ -210,18 +226,12 @@ def _resumed_state(*, setup: StepSetup, mngr, step: int) -> trainer.TrainState:
 def _fresh_state(*, setup: StepSetup, seed: int, start: StartPoint) -> trainer.TrainState:
     """A new state at the start point's step: random, or with pretrained parameters."""
     params = None
-    initial_path = start.initial_checkpoint_path
-    if initial_path:
-        # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint. The
-        # converters import TensorFlow (Mesh TF's reader) at their top: imported here, so that
-        # gin files naming `train` parse without it (`t5tpu plan`, `t5tpu infer`).
-        from t5tpu.formats import conversion
-
-        params = conversion.load_pretrained(
-            initial_path, setup.abstract.params, setup.shardings.params
-        )
+    initial = start.initial_checkpoint
+    if initial:
+        # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
+        params = initial.load(setup.abstract.params, setup.shardings.params)
         print(
-            f"initialized parameters from {initial_path} (step {start.input_start_step})",
+            f"initialized parameters from {initial.path} (step {start.input_start_step})",
             flush=True,
         )
 
@@ -239,50 +249,6 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     return _fresh_state(setup=setup, seed=seed, start=start)
 
 
-def _input_stream(
-    data: InputSettings, *, layout, skip_batches: int, saved_position: str
-) -> pipeline.InputStream:
-    return pipeline.train_batches(
-        data.task_name,
-        data.task_feature_lengths,
-        data.batch_size,
-        data.seed,
-        data.use_packing,
-        skip_batches=skip_batches,
-        layout=layout,
-        saved_position=saved_position,
-    )
-
-
-def _evaluator(
-    evals: EvalSettings, *, data: InputSettings, setup: StepSetup, model_dir: str
-) -> TaskEvaluator:
-    return TaskEvaluator(
-        model=setup.model,
-        task_name=data.task_name,
-        task_feature_lengths=data.task_feature_lengths,
-        split=evals.split,
-        batch_size=evals.batch_size,
-        partitioner=setup.partitioner,
-        param_shardings=setup.shardings.params,
-        model_dir=model_dir,
-        num_examples=evals.num_examples,
-        settings=decoding.DecodingSettings(),
-    )
-
-
-def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: str):
-    return Checkpointer(
-        mngr=mngr,
-        dtype=dtype,
-        input_start_step=start.input_start_step,
-        stream=stream,
-        config=config,
-        # Found unreadable by resume_point: replaced when their steps are saved again.
-        damaged_steps=start.resume.damaged_steps if start.resume else (),
-    )
-
-
 def _train_steps(
     state: trainer.TrainState,
     *,
@@ -295,22 +261,71 @@ def _train_steps(
     periods: Periods,
     checkpoint_dtype: str,
 ) -> trainer.TrainState:
-    """Trains the steps left after `state`'s, once the input, evaluator and writers are built."""
+    """Trains the steps left after `state`'s: the input stream and the evaluator first, so that
+    bad input is refused before the run is recorded as started."""
     first_step = int(state.step)
     batches_used = max(first_step - start.input_start_step, 0)
     if first_step >= start.last_step:
         print(f"already at step {first_step} >= {start.last_step}; nothing to do")
         return state
     layout = setup.partitioner.data_layout(data.batch_size)
-    stream = _input_stream(
-        data,
-        layout=layout,
+    stream = pipeline.train_batches(
+        data.task_name,
+        data.task_feature_lengths,
+        data.batch_size,
+        data.seed,
+        data.use_packing,
         skip_batches=batches_used,
+        layout=layout,
         saved_position=checkpoints.input_position_path(mngr, first_step),
     )
-    evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
+    evaluator = None
+    if evals:
+        evaluator = TaskEvaluator(
+            model=setup.model,
+            task_name=data.task_name,
+            task_feature_lengths=data.task_feature_lengths,
+            split=evals.split,
+            batch_size=evals.batch_size,
+            partitioner=setup.partitioner,
+            param_shardings=setup.shardings.params,
+            model_dir=model_dir,
+            num_examples=evals.num_examples,
+            settings=decoding.DecodingSettings(),
+        )
+    return _run_loop(
+        state,
+        model_dir=model_dir,
+        setup=setup,
+        mngr=mngr,
+        start=start,
+        stream=stream,
+        layout=layout,
+        evaluator=evaluator,
+        dropout_seed=data.seed + 1,
+        periods=periods,
+        checkpoint_dtype=checkpoint_dtype,
+    )
+
+
+def _run_loop(
+    state: trainer.TrainState,
+    *,
+    model_dir: str,
+    setup: StepSetup,
+    mngr,
+    start: StartPoint,
+    stream: pipeline.InputStream,
+    layout,
+    evaluator: TaskEvaluator | None,
+    dropout_seed: int,
+    periods: Periods,
+    checkpoint_dtype: str,
+) -> trainer.TrainState:
+    """Records the run as started, then trains from `state` on inputs already built."""
     from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
 
+    first_step = int(state.step)
     writer = summaries.writer(
         paths.train_summaries(model_dir), just_logging=jax.process_index() > 0
     )
@@ -318,23 +333,33 @@ def _train_steps(
     # replace the config of the run already in MODEL_DIR.
     config = TrainConfig(model_dir, first_step=first_step, resumed=bool(start.resume))
     config.run_started()
+    checkpointer = Checkpointer(
+        mngr=mngr,
+        dtype=checkpoint_dtype,
+        input_start_step=start.input_start_step,
+        stream=stream,
+        config=config,
+        # Found unreadable by resume_point: replaced when their steps are saved again.
+        damaged_steps=start.resume.damaged_steps if start.resume else (),
+    )
     loop = TrainLoop(
         model_dir=model_dir,
         step_fn=setup.compiled_step(),
         stream=stream,
         batch_sharding=setup.partitioner.batch_sharding(),
-        dropout_seed=jax.random.PRNGKey(data.seed + 1),
+        dropout_seed=jax.random.PRNGKey(dropout_seed),
         periods=periods,
         last_step=start.last_step,
         progress=Progress(first_step, start.last_step, layout.num_shards),
         writer=writer,
-        checkpointer=_checkpointer(mngr, start, stream, config, checkpoint_dtype),
+        checkpointer=checkpointer,
         evaluator=evaluator,
         preemption=PreemptionWatch(),
     )
     print(
         f"training steps {first_step}..{start.last_step} on {jax.device_count()} device(s), mesh "
-        f"{dict(setup.partitioner.mesh.shape)}, input from batch {batches_used}",
+        f"{dict(setup.partitioner.mesh.shape)}, input from batch "
+        f"{max(first_step - start.input_start_step, 0)}",
         flush=True,
     )
     return loop.run(state)

@@ -5,7 +5,7 @@ without knowing the optimizer; input_position/ holds each training process's pla
 stream. Orbax writes to a temporary directory and renames it when the
 save is complete, so a crash mid-save never leaves a checkpoint that restore would pick; a
 checkpoint_N directory damaged some other way (a partial copy, a lost or cut file) is skipped
-with a warning (readability.py), and renamed checkpoint_N.incomplete when a run saves step N
+with a warning (checkpoint_damage.py), and renamed checkpoint_N.incomplete when a run saves step N
 again. A save that fails for want of disk space removes what it wrote and raises
 EnvironmentFault, so the checkpoints before it are all that is left.
 
@@ -31,11 +31,9 @@ from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError
 from t5tpu.model import layer_stacking
+from t5tpu.storage import checkpoint_damage, save_guards
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage import readability, save_guards
 
-# model_dir owns the name; this alias serves callers that still read it from here.
-STEP_PREFIX = paths.STEP_PREFIX
 ITEMS = ("params", "opt_state")
 # Saved in each checkpoint's metadata: the step before the run read its first input batch (a
 # pretrained checkpoint's step when it fine-tunes one, else 0).
@@ -109,10 +107,10 @@ def save(
     if step in mngr.all_steps():
         step_dir = _step_dir(mngr, step)
         damaged = step in damaged_steps
-        if not damaged and readability.incomplete_reason(step_dir, ITEMS) is None:
+        if not damaged and checkpoint_damage.incomplete_reason(step_dir, ITEMS) is None:
             return  # already saved at this step (e.g. the final save right after a periodic one)
         # Damaged, so skipped on restore; kept under another name, since it may be worth a look.
-        aside = readability.move_aside(step_dir)
+        aside = checkpoint_damage.move_aside(step_dir)
         print(f"t5tpu: warning: moved {step_dir} aside to {aside}")
         mngr.reload()
     # Together: the parameters tell the depth of stacks whose moments are all placeholders.
@@ -135,7 +133,7 @@ def save(
 def params_readable(model_dir: str, step: int) -> bool:
     """Whether checkpoint `step` still has its parameters; no manager, so no host sync."""
     step_dir = epath.Path(paths.checkpoint_dir(model_dir, step))
-    return readability.incomplete_reason(step_dir, ("params",)) is None
+    return checkpoint_damage.incomplete_reason(step_dir, ("params",)) is None
 
 
 def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
@@ -144,7 +142,7 @@ def usable_steps(mngr: ocp.CheckpointManager, items=ITEMS) -> list[int]:
     steps = []
     for step in sorted(mngr.all_steps()):
         step_dir = _step_dir(mngr, step)
-        reason = readability.incomplete_reason(step_dir, items)
+        reason = checkpoint_damage.incomplete_reason(step_dir, items)
         if reason:
             print(f"t5tpu: warning: skipping incomplete {step_dir} ({reason})", file=sys.stderr)
         else:
@@ -208,7 +206,7 @@ def resume_point(model_dir: str) -> ResumePoint | None:
     if not epath.Path(model_dir).is_dir():
         return None
     mngr = manager(model_dir, read_only=True)
-    step, damaged = readability.newest_readable(model_dir, usable_steps(mngr), ITEMS)
+    step, damaged = checkpoint_damage.newest_readable(model_dir, usable_steps(mngr), ITEMS)
     if step is None and damaged:
         # Starting afresh would bury the run's progress under new checkpoints and configs.
         raise UserError(
@@ -288,7 +286,7 @@ def _check_optimizer(mngr, step: int, unrolled_opt_state) -> None:
 
 def check_readable(model_dir: str, step: int, items=("params",)) -> None:
     """Refuses checkpoint `step`, named explicitly, when it cannot be read (a UserError)."""
-    readability.check_readable(paths.checkpoint_dir(model_dir, step), items)
+    checkpoint_damage.check_readable(paths.checkpoint_dir(model_dir, step), items)
 
 
 def _restore(mngr, step, abstract: dict, shardings: dict):
@@ -351,12 +349,12 @@ def steps_to_restore(model_dir: str, checkpoint_step: int | str) -> list[int]:
             f"no checkpoint in {model_dir}; train first, or point MODEL_DIR at a trained run"
         )
     if checkpoint_step == "latest":
-        newest, _ = readability.newest_readable(model_dir, available, ("params",))
+        newest, _ = checkpoint_damage.newest_readable(model_dir, available, ("params",))
         if newest is None:
             raise UserError(f"no checkpoint in {model_dir} can be read; train again")
         return [newest]
     if checkpoint_step == "all":
-        readable = readability.readable_steps(model_dir, available, ("params",))
+        readable = checkpoint_damage.readable_steps(model_dir, available, ("params",))
         if not readable:
             raise UserError(f"no checkpoint in {model_dir} can be read; train again")
         return readable

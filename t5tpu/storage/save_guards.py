@@ -17,8 +17,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from t5tpu.errors import EnvironmentFault
+from t5tpu.storage import checkpoint_damage
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage import readability
 
 # orbax's temporary name of a step being saved: checkpoint_N.orbax-checkpoint-tmp[-<time>].
 ORBAX_TMP = ".orbax-checkpoint-tmp"
@@ -66,7 +66,7 @@ def disk_faults(mngr: ocp.CheckpointManager, step: int):
         if code is None:
             raise
         _remove_partial_save(mngr, step)
-        cause = os.strerror(code) if code in errno.errorcode else readability.short(e)
+        cause = os.strerror(code) if code in errno.errorcode else checkpoint_damage.short(e)
         raise EnvironmentFault(
             str(mngr.directory),
             f"{cause}; checkpoint_{step} not saved, the checkpoints before it are intact",

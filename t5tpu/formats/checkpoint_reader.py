@@ -178,7 +178,7 @@ class CheckpointReader(abc.ABC):
         placed with `shardings` (a tree like the parameters) so that only one host copy exists
         at a time. Names and shapes that differ from the model are refused before anything is
         read, all listed in one UserError."""
-        model = model_shapes(abstract_params)
+        model = flat_shapes(abstract_params)
         plan = {name: self.source(name, shape) for name, shape in model.items()}
         expected = {source.name: source.shape for source in plan.values()}
         found = self.shapes()
@@ -207,11 +207,6 @@ class CheckpointReader(abc.ABC):
                 )
             params[name] = array
         return traverse_util.unflatten_dict(params, sep="/")
-
-
-def model_shapes(abstract_params) -> dict[str, tuple[int, ...]]:
-    """{'encoder/layers_0/attention/query/kernel': shape, ...} of a parameter tree."""
-    return flat_shapes(abstract_params)
 
 
 def _unchanged(name: str) -> str:
