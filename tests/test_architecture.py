@@ -222,7 +222,6 @@ def test_the_server_names_no_task():
     assert not {name: words for name, words in found.items() if words}
 
 
-
 def _long_functions(paths, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     """'path:line name length' of every function (nested ones and methods too) in `paths`
     longer than `limit` lines."""
