@@ -21,7 +21,7 @@ import gin
 import jax
 from etils import epath
 
-from t5tpu import package_files
+from t5tpu import package_files, validators
 from t5tpu.config import macro_limits
 from t5tpu.errors import UserError, environment_fault, one_line_message
 from t5tpu.storage import atomic_files, user_files
@@ -240,11 +240,9 @@ def runner(fn):
                 f"{', '.join(missing)} must be set: bind it in a gin file or pass {example}"
             )
         for name in whole_numbers & kwargs.keys():
-            value = kwargs[name]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise UserError(
-                    f"{_setting_name(fn.__name__, name)} = {value!r} must be a whole number, "
-                    "e.g. 1000"
+            if kwargs[name] is not None:
+                validators.whole().check(
+                    _setting_name(fn.__name__, name), kwargs[name], example="1000"
                 )
         try:
             return fn(**kwargs)

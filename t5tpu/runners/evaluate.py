@@ -17,9 +17,9 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from t5tpu import validators
 from t5tpu.config import gin_setup
 from t5tpu.data import availability, pipeline
-from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
@@ -49,10 +49,8 @@ def _last_train_step() -> int | None:
 
 
 def _check_waits(poll_seconds: float, wait_seconds: float) -> None:
-    if not poll_seconds > 0:
-        raise UserError(f"evaluate.poll_seconds = {poll_seconds!r} must be above 0")
-    if not wait_seconds >= 0:
-        raise UserError(f"evaluate.wait_seconds = {wait_seconds!r} must be 0 or more")
+    validators.number(above=0).check("evaluate.poll_seconds", poll_seconds)
+    validators.number(low=0).check("evaluate.wait_seconds", wait_seconds)
 
 
 def _steps_as_they_appear(

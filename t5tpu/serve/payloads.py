@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
+
+from t5tpu import validators
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
 # batch many times the compiled one.
@@ -175,24 +176,19 @@ def _parameters(payload: dict, allowed: tuple[str, ...]) -> dict:
 
 def _whole(parameters: dict, name: str, low: int, high: int, default: int) -> int:
     value = parameters.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise PayloadError(
-            f"parameter {name}={json.dumps(value)} must be a whole number from {low} to {high}"
-        )
+    rule = validators.whole(low, high)
+    if not rule.accepts(value):
+        raise PayloadError(rule.message(f"parameter {name}", value, shown=json.dumps))
     return value
 
 
 def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
     temperature = parameters.get("temperature", defaults.temperature)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
+    rule = validators.number(low=0)
+    if not rule.accepts(temperature):
         raise PayloadError(
-            f"parameter temperature={json.dumps(temperature)} must be a number >= 0 "
-            "(0 is greedy, above 0 samples)"
+            rule.message("parameter temperature", temperature, shown=json.dumps)
+            + " (0 is greedy, above 0 samples)"
         )
     decoding = Decoding(
         num_beams=_whole(parameters, "num_beams", 1, MAX_NUM_BEAMS, defaults.num_beams),
