@@ -100,15 +100,24 @@ def _lookup_failing_as_absent(exists):
     return checked
 
 
-# gin tries its readers in order, open() first, which decodes as it parses: a binary file would
-# fail with neither its name nor its line. This reader goes first (gin has no public way).
-_READERS = gin.config._FILE_READERS  # noqa: SLF001
-_READERS[:] = [(_gin_file, _is_gin_file), *((r, _lookup_failing_as_absent(e)) for r, e in _READERS)]
+def use_file_readers() -> None:
+    """gin tries its readers in order, open() first, which decodes as it parses: a binary file
+    would fail with neither its name nor its line. This reader goes first (gin has no public
+    way). Done where gin files are parsed, once, never on import: importing t5tpu leaves gin
+    as it was."""
+    readers = gin.config._FILE_READERS  # noqa: SLF001
+    if readers and readers[0][0] is _gin_file:
+        return
+    readers[:] = [
+        (_gin_file, _is_gin_file),
+        *((r, _lookup_failing_as_absent(e)) for r, e in readers),
+    ]
 
 
 def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) -> None:
     """Parses gin files then bindings (later ones win); bad input becomes a UserError."""
     import_configurables()
+    use_file_readers()
     gin.clear_config()
     # `--gin_file=configs/...` resolves against the working directory, then the installed
     # package, so the bundled configs work from any directory.
@@ -137,6 +146,12 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
     macro_limits.check_macros()
+
+
+def bind(parameter: str, value) -> None:
+    """Binds `parameter` ('configurable.argument') to `value` over what was parsed: a command's
+    own flag that overrides the gin files."""
+    gin.bind_parameter(parameter, value)
 
 
 def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
