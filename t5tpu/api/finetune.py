@@ -41,6 +41,7 @@ def finetune(
     # Training reads its data through TensorFlow: imported first, quietly, so that nothing
     # imported after it loads it with its start-up noise.
     process_setup.import_tensorflow_quietly()
+    process_setup.enable_compilation_cache()
     from t5tpu.config import gin_setup
     from t5tpu.runners import train
 

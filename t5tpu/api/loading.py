@@ -24,6 +24,7 @@ from t5tpu.formats import conversion
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import Partitioner
+from t5tpu.runtime import process_setup
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
@@ -117,6 +118,7 @@ def load(
     partitioner: how parameters and batches are laid out; default: every device jax has,
       data-parallel (parameters replicated), as `t5tpu infer` does on one host.
     """
+    process_setup.enable_compilation_cache()  # as the CLI does at its start, not on import
     with library_notes_hidden():
         description = _describe(str(path), step, list(gin_files))
         partitioner = partitioner or Partitioner()
