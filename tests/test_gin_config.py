@@ -95,3 +95,13 @@ def test_rules_accept_what_they_describe():
     assert validators.whole().message("T", 1.5, example="1000") == (
         "T = 1.5 must be a whole number, e.g. 1000"
     )
+
+
+def test_train_steps_are_read_for_continuous_evaluation():
+    from t5tpu.runners import train
+
+    gin_setup.parse([TINY_EXPERIMENT], ["TRAIN_STEPS = 7"], [])
+    steps = runner_settings.bound_settings(train.train, runner_settings.TrainSteps)
+    assert steps == runner_settings.TrainSteps(train_steps=7, relative_steps=False)
+    gin_setup.parse([TINY_EXPERIMENT], ["TRAIN_STEPS = 7", "train.relative_steps = True"], [])
+    assert runner_settings.bound_settings(train.train, runner_settings.TrainSteps).relative_steps

@@ -35,6 +35,15 @@ class InferSettings:
     truncation: str
 
 
+@dataclasses.dataclass(frozen=True)
+class TrainSteps:
+    """Where the experiment's training (runners.train.train) stops, for the evaluation that
+    follows it: TRAIN_STEPS, counted from the start unless relative_steps."""
+
+    train_steps: int | None
+    relative_steps: bool
+
+
 def bound_settings(runner: Callable, settings: type[T]) -> T:
     """`settings` (a dataclass) with each field the value `runner`'s argument of that name is
     bound to, else the runner's default, else None (gin.REQUIRED counts as unbound)."""
