@@ -79,7 +79,9 @@ def multiple(of: int, what: str) -> Rule:
     )
 
 
-def number(*, above: float | None = None, low: float | None = None, below: float | None = None):
+def number(
+    *, above: float | None = None, low: float | None = None, below: float | None = None
+) -> Rule:
     """A finite number, optionally > above, >= low and < below."""
 
     def accepts(value) -> bool:

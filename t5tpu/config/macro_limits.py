@@ -44,8 +44,15 @@ def _count(example: str) -> Limit:
 
 
 _OPTIONAL_COUNT = Limit(validators.optional(validators.whole(low=1)), "None")
+# None where a path may be left out (MODEL_DIR: a server given --model); '' or a number never.
+_PATH = validators.optional(validators.path())
 
 LIMITS: dict[str, Limit] = {
+    "MODEL_DIR": Limit(_PATH, "\"'/tmp/run'\""),
+    "INITIAL_CHECKPOINT_PATH": Limit(_PATH, "\"'/path/to/checkpoint_1000000'\""),
+    "EVAL_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/eval'\""),
+    "INFER_INPUT_FILE": Limit(_PATH, "\"'inputs.txt'\""),
+    "INFER_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/predictions'\""),
     "LEARNING_RATE": Limit(validators.number(above=0), "0.001"),
     "TRAIN_STEPS": _count("1000"),
     "BATCH_SIZE": _positive("32"),
