@@ -5,12 +5,6 @@ call and `t5tpu.finetune(...)` trains one (t5tpu/api). They are imported on firs
 `import t5tpu` (and `t5tpu --help`) stays free of jax and TensorFlow.
 """
 
-from t5tpu.runtime import lazy_imports as _lazy_imports
-
-# Before anything (seqio, etils' gs:// client, the user's code) can import TensorFlow: its first
-# import, by whoever, prints nothing (t5tpu/runtime/lazy_imports.py).
-_lazy_imports.quiet_tensorflow_imports()
-
 _API = ("load", "finetune", "T5Model")
 
 

@@ -27,6 +27,7 @@ import numpy as np
 from jax.experimental import mesh_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from t5tpu import validators
 from t5tpu.errors import UserError
 
 MESH_AXES = ("data", "model")
@@ -110,11 +111,10 @@ def check_batch_size(
     name: str, batch_size: int, data_parallelism: int, num_microbatches: int = 1
 ) -> None:
     """A batch (gin macro `name`) must split evenly over the 'data' axis (and microbatches)."""
-    if batch_size < 1 or batch_size % (data_parallelism * num_microbatches):
-        into = f"{data_parallelism} data-parallel devices"
-        if num_microbatches > 1:
-            into += f" x {num_microbatches} microbatches"
-        raise UserError(f"{name}={batch_size} must be a positive multiple of the {into}")
+    into = f"the {data_parallelism} data-parallel devices"
+    if num_microbatches > 1:
+        into += f" x {num_microbatches} microbatches"
+    validators.multiple(data_parallelism * num_microbatches, into).check(name, batch_size)
 
 
 def build_mesh(devices: list, num_partitions: int) -> Mesh:

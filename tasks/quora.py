@@ -24,7 +24,7 @@ import gin
 import numpy as np
 from t5tpu.tasks import metrics, quora_csv, registry, serving
 
-from t5tpu import package_files
+from t5tpu import package_files, validators
 from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
@@ -139,7 +139,7 @@ def _split_sizes(stats_path: str, data_dir: str) -> dict[str, int]:
         raise _not_stats(stats_path, data_dir, "no 'pairs' object")
     for split in quora_csv.SPLITS:
         count = pairs.get(split)
-        if not isinstance(count, int) or isinstance(count, bool) or count < 0:
+        if not validators.is_whole(count, low=0):
             raise _not_stats(stats_path, data_dir, f"pairs[{split!r}] is not a count")
     return {split: pairs[split] for split in quora_csv.SPLITS}
 

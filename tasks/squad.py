@@ -17,6 +17,7 @@ import functools
 import gin
 from t5tpu.tasks import registry, serving, squad_metrics
 
+from t5tpu import validators
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import remote, user_files
@@ -98,7 +99,7 @@ def _fields(value, expected: dict[str, type], path: str, where: str) -> list:
         if key not in value:
             raise _not_squad(path, f"{where} has no {key!r}")
         item = value[key]
-        if not isinstance(item, kind) or isinstance(item, bool):
+        if not validators.is_instance(item, kind):
             raise _not_squad(
                 path, f"{where}'s {key!r} is {_json_type(item)}, not {_JSON_TYPES[kind]}"
             )

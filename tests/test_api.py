@@ -278,5 +278,5 @@ def test_a_named_step_and_bad_calls(model_dir, model):
     with pytest.raises(UserError, match="2 inputs but 1 targets"):
         model.score(["a", "b"], ["c"])
     for bad in (0, -3, 2.5, True):  # 0 used to mean the default, silently
-        with pytest.raises(UserError, match=f"max_length={bad!r} must be"):
+        with pytest.raises(UserError, match=f"max_length = {bad!r} must be a whole number >= 1"):
             model.predict(["is duplicate: a <SEP> b"], max_length=bad)

@@ -6,8 +6,11 @@ reader can follow at once."""
 import ast
 import collections
 import dataclasses
+import os
 import pathlib
 import re
+import subprocess
+import sys
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # The repository's folders and the packages they install as (pyproject's package-dir).
@@ -253,3 +256,128 @@ def test_no_function_is_longer_than_the_limit():
     assert not long, f"split these along their seams (at most {MAX_FUNCTION_LINES} lines): " + (
         "; ".join(long)
     )
+
+
+def _source_files() -> dict[str, pathlib.Path]:
+    return {
+        path.relative_to(ROOT).as_posix(): path
+        for folder in SOURCES.values()
+        for path in folder.rglob("*.py")
+    }
+
+
+# What modules may say of gin where they define things: marking a configurable, the sentinel of
+# an argument that must be bound. Parsing, querying, binding, scoping and clearing gin's global
+# config are t5tpu/config's alone.
+GIN_DEFINITIONS = {"configurable", "external_configurable", "register", "REQUIRED"}
+
+
+def _gin_uses(tree: ast.AST) -> list[str]:
+    """Every `gin.X` (and `gin.config...`) of a module, and what it imports from gin."""
+    uses = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and getattr(node.value, "id", None) == "gin":
+            uses.append(f"gin.{node.attr}:{node.lineno}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "gin":
+            uses.extend(f"from {node.module} import {a.name}:{node.lineno}" for a in node.names)
+        elif isinstance(node, ast.Import):
+            uses.extend(
+                f"import {a.name}:{node.lineno}" for a in node.names if a.name.startswith("gin.")
+            )
+    return uses
+
+
+def test_only_config_reads_parses_or_clears_gin():
+    found = {
+        name: uses
+        for name, path in _source_files().items()
+        if not name.startswith("t5tpu/config/")
+        and (
+            uses := [
+                use
+                for use in _gin_uses(ast.parse(path.read_text(), name))
+                if use.split(":")[0].removeprefix("gin.") not in GIN_DEFINITIONS
+            ]
+        )
+    }
+    assert found == {}, "use t5tpu/config (gin_setup, runner_settings, checkpoint_gin)"
+
+
+def test_the_gin_scan_sees_queries_and_imports():
+    code = "import gin.config\nfrom gin import config_scope\ngin.clear_config()\ngin.REQUIRED\n"
+    assert {use.split(":")[0] for use in _gin_uses(ast.parse(code))} == {
+        "import gin.config",
+        "from gin import config_scope",
+        "gin.clear_config",
+        "gin.REQUIRED",
+    }
+
+
+VALIDATORS = "t5tpu/validators.py"
+
+
+def _bool_checks(tree: ast.AST) -> list[int]:
+    """Lines of `isinstance(x, bool)` or `isinstance(x, (..., bool, ...))`."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance":
+            kinds = node.args[1:2]
+            if kinds and isinstance(kinds[0], ast.Tuple):
+                kinds = kinds[0].elts
+            if any(getattr(kind, "id", None) == "bool" for kind in kinds):
+                lines.append(node.lineno)
+    return lines
+
+
+def test_values_are_checked_only_by_the_validators():
+    """True is an int to Python: the checks that say so, and the words their errors use, are
+    written once (t5tpu/validators.py), so every setting is refused alike."""
+    bool_checks, wordings = {}, {}
+    for name, path in _source_files().items():
+        if name == VALIDATORS:
+            continue
+        text = path.read_text()
+        if lines := _bool_checks(ast.parse(text, name)):
+            bool_checks[name] = lines
+        if "whole number" in text:
+            wordings[name] = text.count("whole number")
+    assert bool_checks == {}, f"use {VALIDATORS}: is_whole, is_number, is_instance"
+    assert wordings == {}, f"use {VALIDATORS}: whole(...).check or .message"
+    assert _bool_checks(ast.parse((ROOT / VALIDATORS).read_text()))  # the scan sees them
+
+
+# Run in a fresh interpreter: the settings a library import must leave as they were.
+_IMPORT_STATE_SCRIPT = """
+import os, sys, gin, jax
+def state():
+    return (
+        list(gin.config._FILE_READERS),
+        [type(f).__name__ for f in sys.meta_path if type(f).__module__.startswith("t5tpu")],
+        os.environ.get("TF_CPP_MIN_LOG_LEVEL"),
+        jax.config.jax_compilation_cache_dir,
+        jax.config.jax_persistent_cache_min_compile_time_secs,
+        jax.config.jax_persistent_cache_min_entry_size_bytes,
+    )
+before = state()
+import t5tpu, t5tpu.api, t5tpu.config.gin_setup, t5tpu.config.checkpoint_gin
+import t5tpu.config.runner_settings, t5tpu.formats.conversion, t5tpu.serve.model_setup
+after = state()
+assert after == before, (before, after)
+print("unchanged")
+"""
+
+
+def test_importing_t5tpu_changes_neither_gin_nor_jax_settings():
+    """Nor the import machinery or TensorFlow's log level: the CLI, load() and finetune() set
+    those up when they start."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
+    run = subprocess.run(
+        [sys.executable, "-c", _IMPORT_STATE_SCRIPT],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        check=False,
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.split() == ["unchanged"]

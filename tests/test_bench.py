@@ -125,7 +125,8 @@ def test_train_on_two_devices_is_set_against_one_devices_share(tmp_path):
     assert dense_flops == pytest.approx(3 * one_row)  # 1 of the batch's 2 rows, with gradients
     odd = t5tpu("bench", *flags, "--batch_size=3", env=env)
     assert odd.returncode == 2
-    assert "--batch_size=3 must be a positive multiple of the 2 data-parallel devices" in odd.stderr
+    wanted = "--batch_size = 3 must be a positive multiple of the 2 data-parallel devices"
+    assert wanted in odd.stderr
 
 
 def test_a_missing_gin_file_fails_before_anything_is_written(capfd, tmp_path):

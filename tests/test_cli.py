@@ -213,7 +213,7 @@ BAD_INPUTS = {
             "eval",
             *memorize_flags("--gin.CHECKPOINT_STEP='continuous'", "--gin.evaluate.poll_seconds=-1"),
         ],
-        "evaluate.poll_seconds = -1 must be above 0",
+        "evaluate.poll_seconds = -1 must be a number > 0",
     ),
     "missing checkpoint step": (["eval", *memorize_flags("--gin.CHECKPOINT_STEP=7")], "7"),
     "misspelled macro": (

@@ -66,9 +66,9 @@ def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top
 @pytest.mark.parametrize(
     "temperature, top_k, num_beams, message",
     [
-        (-1.0, 0, 1, "TEMPERATURE = -1.0 must be >= 0"),
-        (float("nan"), 0, 1, "TEMPERATURE = nan must be >= 0"),
-        ("hot", 0, 1, "TEMPERATURE = 'hot' must be a number"),
+        (-1.0, 0, 1, "TEMPERATURE = -1.0 must be a number >= 0"),
+        (float("nan"), 0, 1, "TEMPERATURE = nan must be a number >= 0"),
+        ("hot", 0, 1, "TEMPERATURE = 'hot' must be a number >= 0"),
         (1.0, VOCAB + 1, 1, f"TOP_K = {VOCAB + 1} must be between 0 (no limit) and the vocabu"),
         (1.0, -1, 1, "TOP_K = -1 must be between 0"),
         (0.0, 0, 0, "NUM_BEAMS = 0 must be >= 1"),

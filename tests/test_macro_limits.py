@@ -25,6 +25,8 @@ BAD = {
     "TASK_FEATURE_LENGTHS = {'inputs': 0, 'targets': 4}": "TASK_FEATURE_LENGTHS = {'inputs': 0",
     "TASK_FEATURE_LENGTHS = {}": "must be a dict of feature lengths >= 1",
     "TASK_FEATURE_LENGTHS = 512": "must be a dict of feature lengths >= 1",
+    "MODEL_DIR = ''": "MODEL_DIR = '' must be None or a path (a non-empty string), e.g. --gin.MO",
+    "INFER_INPUT_FILE = 5": "INFER_INPUT_FILE = 5 must be None or a path",
 }
 
 
@@ -50,6 +52,8 @@ def test_values_in_range_references_and_unbound_macros_pass():
                 "TEMPERATURE = 0.7",
                 "TASK_FEATURE_LENGTHS = {'inputs': 512, 'targets': 128}",
                 "MODEL_DIR = %gin.REQUIRED",
+                "INFER_OUTPUT_DIR = 'gs://bucket/predictions'",
+                "INITIAL_CHECKPOINT_PATH = None",
             ]
         )
     )

@@ -403,7 +403,7 @@ def test_plan_refuses_a_batch_that_train_would_refuse():
     )
     assert run.returncode == 2
     assert run.stderr.strip().splitlines() == [
-        "t5tpu: error: BATCH_SIZE=100 must be a positive multiple of the 8 data-parallel devices"
+        "t5tpu: error: BATCH_SIZE = 100 must be a positive multiple of the 8 data-parallel devices"
     ]
 
 

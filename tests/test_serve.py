@@ -377,7 +377,7 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--max_batch_size=0"], "--max_batch_size=0 must be >= 1"),
+        (["--max_batch_size=0"], "--max_batch_size = 0 must be a whole number >= 1"),
         (["--port=70000"], "port 70000"),
         (["--max_instances=600"], "more than --max_queue"),
         (["--max_wait_ms=5000"], "--max_wait_ms"),

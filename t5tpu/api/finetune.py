@@ -11,7 +11,7 @@ runner, in this process, printing the same progress lines.
 from __future__ import annotations
 
 from t5tpu.api.loading import library_notes_hidden
-from t5tpu.runtime import lazy_imports
+from t5tpu.runtime import compilation_cache, lazy_imports
 
 
 def _binding(name: str, value) -> str:
@@ -41,6 +41,7 @@ def finetune(
     # Training reads its data through TensorFlow: imported first, quietly, so that nothing
     # imported after it loads it with its start-up noise.
     lazy_imports.import_tensorflow_quietly()
+    compilation_cache.enable()
     from t5tpu.config import gin_setup
     from t5tpu.runners import train
 

@@ -24,6 +24,7 @@ from t5tpu.formats import conversion
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import Partitioner
+from t5tpu.runtime import compilation_cache, lazy_imports
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
@@ -122,6 +123,10 @@ def load(
     partitioner: how parameters and batches are laid out; default: every device jax has,
       data-parallel (parameters replicated), as `t5tpu infer` does on one host.
     """
+    # As the CLI does at its start, not on import: programs cached on disk, and TensorFlow's
+    # first import (etils' gs:// client, seqio) quiet.
+    compilation_cache.enable()
+    lazy_imports.quiet_tensorflow_imports()
     with library_notes_hidden():
         description = _describe(str(path), step, list(gin_files))
         partitioner = partitioner or Partitioner()

@@ -20,11 +20,15 @@ from collections.abc import Iterable, Iterator
 import jax
 import numpy as np
 
+from t5tpu import validators
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request, encode
 from t5tpu.partitioning import Partitioner
+
+# Rows, lengths and chunks: True is an int to Python, not a count.
+_COUNT = validators.whole(low=1)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,16 +46,10 @@ class Shapes:
             ("max_input_length", max_input_length),
             ("max_target_length", max_target_length),
         ):
-            _check_count(name, value)
+            _COUNT.check(name, value)
         # Each device takes an equal share of the rows.
         rows = -(-batch_size // data_parallelism) * data_parallelism
         return cls(rows, max_input_length, max_target_length)
-
-
-def _check_count(name: str, value) -> None:
-    """Refuses anything but a whole number >= 1 (True is an int to Python, not a count)."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name}={value!r} must be a whole number >= 1")
 
 
 def _ids_rows(ids) -> list[list[int]]:
@@ -133,7 +131,7 @@ class T5Model:
 
     def _settings(self, max_new_tokens, num_beams, temperature, top_k, seed) -> Request:
         max_new_tokens = self.shapes.max_target_length if max_new_tokens is None else max_new_tokens
-        _check_count("max_length", max_new_tokens)
+        _COUNT.check("max_length", max_new_tokens)
         settings = decoding.DecodingSettings(
             temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
         )
@@ -188,7 +186,7 @@ class T5Model:
         """predict's output for each input of an iterable, in order, as it goes: `batch_size`
         inputs are read, decoded (batched by length) and yielded at a time, so a stream of any
         length takes the memory of one such group. `settings` as predict's."""
-        _check_count("batch_size", batch_size)
+        _COUNT.check("batch_size", batch_size)
         chosen = self._settings(
             settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
         )
@@ -207,7 +205,7 @@ class T5Model:
         result is the same bytes. Returns `output_file`."""
         from t5tpu.api import predict_file
 
-        _check_count("chunk_size", chunk_size)
+        _COUNT.check("chunk_size", chunk_size)
         chosen = self._settings(
             settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
         )

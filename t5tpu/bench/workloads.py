@@ -260,13 +260,12 @@ def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) 
 
 def bench_pipeline(args) -> dict:
     """Examples/s from a real task's seqio training stream, after its first batch."""
-    import gin
-
+    from t5tpu.config import gin_setup
     from t5tpu.data import pipeline
     from t5tpu.tasks import registry
 
     if args.pipeline_vocabulary == "bundled":
-        gin.bind_parameter("default_vocabulary.sentencepiece_model_file", None)
+        gin_setup.bind("default_vocabulary.sentencepiece_model_file", None)
     lengths = {"inputs": args.input_length, "targets": args.target_length}
     registry.get_task(args.pipeline_task)
     stream = pipeline.train_batches(args.pipeline_task, lengths, args.batch_size, args.seed, False)

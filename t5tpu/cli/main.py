@@ -138,6 +138,8 @@ def print_help(words: list[str]) -> None:
 def run() -> None:
     """Console-script entry point."""
     host_memory.keep_freed_memory()  # before jax or TensorFlow start their threads
+    # Whoever imports TensorFlow first (seqio, etils' gs:// client), it prints nothing.
+    lazy_imports.quiet_tensorflow_imports()
     # Our progress and results are printed; orbax, seqio and gin log routine notes as warnings
     # and errors (gin logs every search path it tries), so only fatal library logs show.
     logging.set_verbosity(logging.FATAL)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from t5tpu import validators
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
 from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.errors import UserError
@@ -76,12 +77,9 @@ def parser() -> ToolParser:
 
 def _check(args: argparse.Namespace) -> None:
     for name in ("max_batch_size", "max_queue", "max_instances", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name}={getattr(args, name)} must be >= 1")
+        validators.whole(low=1).check(f"--{name}", getattr(args, name))
     for name in ("max_connections", "max_input_length", "max_target_length"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise UserError(f"--{name}={value} must be >= 1")
+        validators.optional(validators.whole(low=1)).check(f"--{name}", getattr(args, name))
     if not 0 <= args.port <= 65535:
         raise UserError(f"port {args.port} must be from 0 to 65535 (0: any free port)")
     if not (0 <= args.max_wait_ms <= 1000 and args.shutdown_timeout >= 0):

@@ -21,7 +21,7 @@ import gin
 import jax
 from etils import epath
 
-from t5tpu import package_files
+from t5tpu import package_files, validators
 from t5tpu.config import macro_limits
 from t5tpu.errors import UserError, environment_fault, one_line_message
 from t5tpu.storage import atomic_files, user_files
@@ -100,15 +100,24 @@ def _lookup_failing_as_absent(exists):
     return checked
 
 
-# gin tries its readers in order, open() first, which decodes as it parses: a binary file would
-# fail with neither its name nor its line. This reader goes first (gin has no public way).
-_READERS = gin.config._FILE_READERS  # noqa: SLF001
-_READERS[:] = [(_gin_file, _is_gin_file), *((r, _lookup_failing_as_absent(e)) for r, e in _READERS)]
+def use_file_readers() -> None:
+    """gin tries its readers in order, open() first, which decodes as it parses: a binary file
+    would fail with neither its name nor its line. This reader goes first (gin has no public
+    way). Done where gin files are parsed, once, never on import: importing t5tpu leaves gin
+    as it was."""
+    readers = gin.config._FILE_READERS  # noqa: SLF001
+    if readers and readers[0][0] is _gin_file:
+        return
+    readers[:] = [
+        (_gin_file, _is_gin_file),
+        *((r, _lookup_failing_as_absent(e)) for r, e in readers),
+    ]
 
 
 def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) -> None:
     """Parses gin files then bindings (later ones win); bad input becomes a UserError."""
     import_configurables()
+    use_file_readers()
     gin.clear_config()
     # `--gin_file=configs/...` resolves against the working directory, then the installed
     # package, so the bundled configs work from any directory.
@@ -137,6 +146,12 @@ def parse(gin_files: list[str], bindings: list[str], search_paths: list[str]) ->
         raise UserError(f"bad gin config: {' '.join(_compact(e))}") from None
     _check_macros(bindings)
     macro_limits.check_macros()
+
+
+def bind(parameter: str, value) -> None:
+    """Binds `parameter` ('configurable.argument') to `value` over what was parsed: a command's
+    own flag that overrides the gin files."""
+    gin.bind_parameter(parameter, value)
 
 
 def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
@@ -240,11 +255,9 @@ def runner(fn):
                 f"{', '.join(missing)} must be set: bind it in a gin file or pass {example}"
             )
         for name in whole_numbers & kwargs.keys():
-            value = kwargs[name]
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise UserError(
-                    f"{_setting_name(fn.__name__, name)} = {value!r} must be a whole number, "
-                    "e.g. 1000"
+            if kwargs[name] is not None:
+                validators.whole().check(
+                    _setting_name(fn.__name__, name), kwargs[name], example="1000"
                 )
         try:
             return fn(**kwargs)

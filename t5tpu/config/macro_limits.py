@@ -12,53 +12,48 @@ Macros an experiment does not bind are skipped, and so is a value that is a gin 
 from __future__ import annotations
 
 import dataclasses
-import math
-from collections.abc import Callable
 
 import gin
 
-from t5tpu.errors import UserError
+from t5tpu import validators
+from t5tpu.validators import Rule
 
 
 @dataclasses.dataclass(frozen=True)
 class Limit:
-    """What a macro accepts, as a test and the words the error uses ("a number > 0")."""
+    """What a macro accepts (a validators.Rule) and a value to show as an example."""
 
-    accepts: Callable[[object], bool]
-    wanted: str
+    rule: Rule
     example: str
-
-
-def _number(value) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _whole(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _lengths(value) -> bool:
     return (
         isinstance(value, dict)
         and bool(value)
-        and all(_whole(length) and length >= 1 for length in value.values())
+        and all(validators.is_whole(length, low=1) for length in value.values())
     )
 
 
 def _positive(example: str) -> Limit:
-    return Limit(lambda v: _whole(v) and v >= 1, "a whole number >= 1", example)
+    return Limit(validators.whole(low=1), example)
 
 
 def _count(example: str) -> Limit:
-    return Limit(lambda v: _whole(v) and v >= 0, "a whole number >= 0", example)
+    return Limit(validators.whole(low=0), example)
 
 
-_OPTIONAL_COUNT = Limit(
-    lambda v: v is None or (_whole(v) and v >= 1), "None or a whole number >= 1", "None"
-)
+_OPTIONAL_COUNT = Limit(validators.optional(validators.whole(low=1)), "None")
+# None where a path may be left out (MODEL_DIR: a server given --model); '' or a number never.
+_PATH = validators.optional(validators.path())
 
 LIMITS: dict[str, Limit] = {
-    "LEARNING_RATE": Limit(lambda v: _number(v) and v > 0, "a number > 0", "0.001"),
+    "MODEL_DIR": Limit(_PATH, "\"'/tmp/run'\""),
+    "INITIAL_CHECKPOINT_PATH": Limit(_PATH, "\"'/path/to/checkpoint_1000000'\""),
+    "EVAL_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/eval'\""),
+    "INFER_INPUT_FILE": Limit(_PATH, "\"'inputs.txt'\""),
+    "INFER_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/predictions'\""),
+    "LEARNING_RATE": Limit(validators.number(above=0), "0.001"),
     "TRAIN_STEPS": _count("1000"),
     "BATCH_SIZE": _positive("32"),
     "EVAL_BATCH_SIZE": _positive("32"),
@@ -74,13 +69,12 @@ LIMITS: dict[str, Limit] = {
     "EVAL_NUM_EXAMPLES": _OPTIONAL_COUNT,
     "INFER_NUM_EXAMPLES": _OPTIONAL_COUNT,
     "RANDOM_SEED": _count("0"),
-    "DROPOUT_RATE": Limit(lambda v: _number(v) and 0 <= v < 1, "a number in [0, 1)", "0.1"),
+    "DROPOUT_RATE": Limit(validators.number(low=0, below=1), "0.1"),
     "NUM_BEAMS": _positive("4"),
-    "TEMPERATURE": Limit(lambda v: _number(v) and v >= 0, "a number >= 0", "0.0"),
+    "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
     "TOP_K": _count("40"),
     "TASK_FEATURE_LENGTHS": Limit(
-        _lengths,
-        "a dict of feature lengths >= 1",
+        Rule(_lengths, "a dict of feature lengths >= 1"),
         "\"{'inputs': 512, 'targets': 128}\"",
     ),
 }
@@ -101,7 +95,5 @@ def check_macros() -> None:
     """A UserError naming the first macro whose value is out of its limits."""
     for name, limit in LIMITS.items():
         value, bound = _bound_value(name)
-        if bound and not limit.accepts(value):
-            raise UserError(
-                f"{name} = {value!r} must be {limit.wanted}, e.g. --gin.{name}={limit.example}"
-            )
+        if bound:
+            limit.rule.check(name, value, example=f"--gin.{name}={limit.example}")

@@ -17,6 +17,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from t5tpu import validators
 from t5tpu.data import availability
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout
@@ -92,8 +93,7 @@ def train_batches(
 
 def _one_shard_per_host(batch_size: int) -> DataLayout:
     num_hosts = jax.process_count()
-    if batch_size % num_hosts:
-        raise UserError(f"BATCH_SIZE={batch_size} must be a multiple of the {num_hosts} hosts")
+    validators.multiple(num_hosts, f"the {num_hosts} hosts").check("BATCH_SIZE", batch_size)
     return DataLayout(jax.process_index(), num_hosts, batch_size // num_hosts)
 
 

@@ -22,13 +22,11 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 
-import gin
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from t5tpu import package_files
-from t5tpu.config import gin_setup
+from t5tpu.config import checkpoint_gin
 from t5tpu.data import vocab
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
@@ -388,19 +386,27 @@ def _export_source(path: str) -> StepDir:
         ) from None
 
 
-def _vocabulary_bound() -> bool:
-    for key in (
-        "default_vocabulary.sentencepiece_model_file",
-        "MODEL/default_vocabulary.sentencepiece_model_file",
-        "default_vocabulary.kind",
-        "MODEL/default_vocabulary.kind",
-    ):
-        try:
-            gin.query_parameter(key)
-            return True
-        except ValueError:
-            continue
-    return False
+@dataclasses.dataclass(frozen=True)
+class _GinModel:
+    config: T5Config
+    vocabulary: object | None  # None: the gin files bind none
+    shapes: dict[str, tuple]  # of the parameters the config gives
+
+
+def _gin_model() -> _GinModel:
+    """The model the parsed gin files bind, its parameters' shapes, and their vocabulary if
+    they bind one; all built while those files are the gin config (T5Config is a configurable
+    that gin records each time one is made)."""
+    bound = any(
+        checkpoint_gin.is_bound("default_vocabulary", parameter)
+        for parameter in ("sentencepiece_model_file", "kind")
+    )
+    config = T5Config()
+    return _GinModel(
+        config=config,
+        vocabulary=vocab.default_vocabulary() if bound else None,
+        shapes=checkpoints.flat_shapes(checkpoint_reader.abstract_params(config)),
+    )
 
 
 def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
@@ -412,31 +418,18 @@ def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
         config = checkpoint_reader.config_from_flat_shapes(flat)
         print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
         return config, None
-    gin_setup.import_configurables()
-    gin.clear_config()
-    for path in (".", package_files.config_search_path()):
-        gin.add_config_file_search_path(path)
     try:
-        gin.parse_config("DROPOUT_RATE = 0.0")  # model files use it; run files define it
-        gin.parse_config_files_and_bindings(gin_files, [], finalize_config=False)
-        # Model files bind T5Config and the vocabulary unscoped; a run's operative config.gin
-        # records them in the scope of the MODEL macro that built them. Inside that scope both
-        # kinds of binding apply.
-        with gin.config_scope("MODEL"):
-            config = T5Config()
-            vocabulary = vocab.default_vocabulary() if _vocabulary_bound() else None
+        # Read apart from the caller's gin config, which is left as it was.
+        model = checkpoint_gin.build_from(gin_files, _gin_model)
     except (OSError, ValueError, SyntaxError) as e:
         raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
-    finally:
-        gin.clear_config()
-    expected = checkpoints.flat_shapes(checkpoint_reader.abstract_params(config))
-    differences = shapes is not None and checkpoints.geometry_differences(shapes, expected)
+    differences = shapes is not None and checkpoints.geometry_differences(shapes, model.shapes)
     if differences:
         raise UserError(
             f"{', '.join(gin_files)} describe another model than the checkpoint ({differences}); "
             "pass --gin_file with the checkpoint's model gin file"
         )
-    return config, vocabulary
+    return model.config, model.vocabulary
 
 
 def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:

@@ -28,6 +28,7 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
+from t5tpu import validators
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.formats import checkpoint_reader, hf_tokenizer
 from t5tpu.formats.vocabulary_source import VocabularySource
@@ -280,7 +281,7 @@ class SafetensorsFile:
 
 
 def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return validators.is_whole(value, low=0)
 
 
 def write_safetensors(

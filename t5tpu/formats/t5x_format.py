@@ -25,6 +25,7 @@ import tensorstore as ts
 from etils import epath
 from flax import serialization
 
+from t5tpu import validators
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.formats import checkpoint_reader
 from t5tpu.storage import user_files
@@ -64,8 +65,8 @@ def _shown(value) -> str:
 
 
 def _is_count(value) -> bool:
-    """A whole number >= 0, as msgpack or flax left it (an int or a 0-d integer array)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer, np.ndarray)):
+    """A count (>= 0), as msgpack or flax left it: an int or a 0-d integer array."""
+    if not validators.is_instance(value, (int, np.integer, np.ndarray)):
         return False
     return np.ndim(value) == 0 and np.asarray(value).dtype.kind in "iu" and value >= 0
 
@@ -163,7 +164,7 @@ class T5XCheckpoint(checkpoint_reader.CheckpointReader):
         return int(match.group(1)) if match else 0
 
     def _shape(self, name: str, leaf) -> tuple[int, ...]:
-        if isinstance(leaf, (np.ndarray, np.number, int, float)) and not isinstance(leaf, bool):
+        if validators.is_instance(leaf, (np.ndarray, np.number, int, float)):
             if not _numeric(np.asarray(leaf).dtype):
                 raise self._damaged(f"{name!r} is an array of {np.asarray(leaf).dtype}")
             return tuple(np.shape(leaf))
@@ -175,7 +176,7 @@ class T5XCheckpoint(checkpoint_reader.CheckpointReader):
             if isinstance(shape, np.ndarray) and shape.ndim == 1:
                 shape = shape.tolist()
             if not isinstance(shape, (list, tuple)) or not all(
-                isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+                validators.is_whole(d, low=0) for d in shape
             ):
                 raise self._damaged(f"{name!r} has shape {_shown(shape)}")
             return tuple(shape)

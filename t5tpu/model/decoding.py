@@ -9,7 +9,6 @@ sampling), or extends every live hypothesis by one token (`beam_search`).
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, NamedTuple
 
 import flax.linen as nn
@@ -17,6 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from t5tpu import validators
 from t5tpu.errors import UserError
 
 Array = jax.Array
@@ -49,12 +49,9 @@ class DecodingSettings:
         goes to 0.
         """
         temperature, top_k, num_beams = self.temperature, self.top_k, self.num_beams
-        if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-            raise UserError(f"TEMPERATURE = {temperature!r} must be a number: 0.0 is greedy")
-        if not (math.isfinite(temperature) and temperature >= 0):
-            raise UserError(
-                f"TEMPERATURE = {temperature} must be >= 0: 0.0 is greedy, above 0 samples"
-            )
+        validators.number(low=0).check(
+            "TEMPERATURE", temperature, example="0.0 (greedy; above 0 samples)"
+        )
         if not 0 <= top_k <= vocab_size:
             raise UserError(
                 f"TOP_K = {top_k} must be between 0 (no limit) and the vocabulary size {vocab_size}"

@@ -17,13 +17,13 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
-from t5tpu.config import gin_setup
+from t5tpu import validators
+from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import availability, pipeline
-from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import results_dir
+from t5tpu.runners import results_dir, train
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
@@ -42,17 +42,15 @@ def _newest_evaluated(output_dir: str, split: str) -> int | None:
 def _last_train_step() -> int | None:
     """TRAIN_STEPS when the experiment trains too (its finetune.gin) and counts it absolutely:
     continuous eval stops after that checkpoint."""
-    steps = gin_setup.bound_value("train.train_steps")
-    if not isinstance(steps, int) or gin_setup.bound_value("train.relative_steps"):
+    bound = runner_settings.bound_settings(train.train, runner_settings.TrainSteps)
+    if not validators.is_whole(bound.train_steps) or bound.relative_steps:
         return None
-    return steps
+    return bound.train_steps
 
 
 def _check_waits(poll_seconds: float, wait_seconds: float) -> None:
-    if not poll_seconds > 0:
-        raise UserError(f"evaluate.poll_seconds = {poll_seconds!r} must be above 0")
-    if not wait_seconds >= 0:
-        raise UserError(f"evaluate.wait_seconds = {wait_seconds!r} must be 0 or more")
+    validators.number(above=0).check("evaluate.poll_seconds", poll_seconds)
+    validators.number(low=0).check("evaluate.wait_seconds", wait_seconds)
 
 
 def _steps_as_they_appear(

@@ -24,6 +24,7 @@ import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
+from t5tpu import validators
 from t5tpu.config import gin_setup
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
@@ -186,33 +187,23 @@ class _Decoder:
         ]
 
 
+# What INFER_TRUNCATION chooses between, and what each does with an input that is too long.
+TRUNCATION = {
+    "warn": "truncate inputs longer than TASK_FEATURE_LENGTHS['inputs'], with a warning",
+    "error": "refuse them",
+}
+
+
 def _check_settings(
     num_examples: int | None, truncation: str, chunk: infer_chunks.Assignment
 ) -> None:
-    if num_examples is not None and num_examples < 1:
-        raise UserError(
-            f"INFER_NUM_EXAMPLES = {num_examples} must be >= 1, or None to decode every input"
-        )
-    if truncation not in ("warn", "error"):
-        raise UserError(
-            f"INFER_TRUNCATION = {truncation!r} must be 'warn' (truncate inputs longer than "
-            "TASK_FEATURE_LENGTHS['inputs'], with a warning) or 'error' (refuse them)"
-        )
-    for name, value in (
-        ("INFER_CHUNK_SIZE", chunk.chunk_size),
-        ("INFER_NUM_SHARDS", chunk.num_shards),
-    ):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} = {value!r} must be a whole number >= 1")
-    if (
-        isinstance(chunk.shard_id, bool)
-        or not isinstance(chunk.shard_id, int)
-        or not (0 <= chunk.shard_id < chunk.num_shards)
-    ):
-        raise UserError(
-            f"INFER_SHARD_ID = {chunk.shard_id!r} must be a whole number from 0 to "
-            f"INFER_NUM_SHARDS - 1 = {chunk.num_shards - 1}"
-        )
+    """The macros' own limits (config.macro_limits) again, for values bound to infer.* directly,
+    and what no single macro can check: the shard among the shards."""
+    validators.optional(validators.whole(low=1)).check("INFER_NUM_EXAMPLES", num_examples)
+    validators.choice(TRUNCATION).check("INFER_TRUNCATION", truncation)
+    validators.whole(low=1).check("INFER_CHUNK_SIZE", chunk.chunk_size)
+    validators.whole(low=1).check("INFER_NUM_SHARDS", chunk.num_shards)
+    validators.whole(low=0, high=chunk.num_shards - 1).check("INFER_SHARD_ID", chunk.shard_id)
 
 
 @dataclasses.dataclass

@@ -9,6 +9,7 @@ import dataclasses
 import jax
 import numpy as np
 
+from t5tpu import validators
 from t5tpu.config import gin_setup
 from t5tpu.data import batches
 from t5tpu.errors import UserError
@@ -31,8 +32,7 @@ class Periods:
 
     def __post_init__(self):
         for name, period in (("SAVE_PERIOD", self.save), ("train.log_period", self.log)):
-            if period < 1:
-                raise UserError(f"{name}={period} must be at least 1 (steps between them)")
+            validators.whole(low=1).check(name, period, example="1000 (steps between them)")
 
     def saves(self, step: int, last_step: int) -> bool:
         return step % self.save == 0 or step == last_step

@@ -36,10 +36,12 @@ def quiet_tensorflow_imports() -> None:
     client, the user), quiet: it runs with file descriptor 2 muted, since TensorFlow's C++ prints
     oneDNN and CUDA-probing lines at import before any log level is read, and then keeps
     TensorFlow off accelerators, which jax owns. An import error still raises normally once
-    stderr is back. Called when t5tpu is imported; does nothing once TensorFlow is."""
+    stderr is back. Called where a process starts (the CLI, load(), finetune()), never on
+    import; does nothing once TensorFlow is."""
     # Its C++ logging below ERROR once running (GCS credential probes, tf.data notices) stays
-    # off too; a user's own setting wins.
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    # off too. A user's own 0 or 3 wins; 1 is what importing jax sets when nobody has.
+    if os.environ.get("TF_CPP_MIN_LOG_LEVEL", "1") == "1":
+        os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
     if "tensorflow" not in sys.modules and _QUIET_FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _QUIET_FINDER)
 

@@ -17,19 +17,18 @@ import os
 import sys
 from collections.abc import Callable
 
-import gin
-
-from t5tpu.config import gin_setup
+from t5tpu import validators
+from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
+from t5tpu.runners import infer
 from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.payloads import Decoding
 
 STORAGE_URI = "AIP_STORAGE_URI"
 # t5tpu.load's own defaults, for a model served without TASK_FEATURE_LENGTHS.
 DEFAULT_LENGTHS = (512, 128)
-TRUNCATION = ("warn", "error")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,17 +52,12 @@ class ModelSetup:
     truncation: str
 
 
-def _bound(parameter: str, default):
-    value = gin_setup.bound_value(parameter)
-    return default if value is None or value is gin.REQUIRED else value
-
-
 def _step(checkpoint_step) -> int | None:
     if checkpoint_step == "latest":
         return None
     if isinstance(checkpoint_step, str) and checkpoint_step.isdigit():
         return int(checkpoint_step)
-    if isinstance(checkpoint_step, int) and not isinstance(checkpoint_step, bool):
+    if validators.is_whole(checkpoint_step):
         return checkpoint_step
     raise UserError(
         f"CHECKPOINT_STEP = {checkpoint_step!r}: a server answers with one checkpoint, 'latest' "
@@ -83,12 +77,6 @@ def _path(model: str | None, model_dir, environ: dict) -> str:
     return str(path)
 
 
-def _check_length(name: str, value) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise UserError(f"{name} = {value!r} must be a whole number >= 1")
-    return value
-
-
 def model_setup(
     *,
     gin_flags: GinFlags,
@@ -106,38 +94,35 @@ def model_setup(
         )
     elif gin_flags.bindings:
         raise UserError("--gin.NAME=VALUE bindings need the --gin_file they bind into")
-    try:
-        feature_lengths = _bound("infer.task_feature_lengths", None)
-        gin_lengths = (
-            pipeline.model_lengths(feature_lengths) if feature_lengths else DEFAULT_LENGTHS
+    bound = runner_settings.bound_settings(infer.infer, runner_settings.InferSettings)
+    gin_lengths = (
+        pipeline.model_lengths(bound.task_feature_lengths)
+        if bound.task_feature_lengths
+        else DEFAULT_LENGTHS
+    )
+    input_length, target_length = (
+        validators.whole(low=1).check(name, given or default)
+        for name, given, default in zip(
+            ("--max_input_length", "--max_target_length"), lengths, gin_lengths, strict=True
         )
-        input_length, target_length = (
-            _check_length(name, given or default)
-            for name, given, default in zip(
-                ("--max_input_length", "--max_target_length"), lengths, gin_lengths, strict=True
-            )
-        )
-        defaults = Decoding(
-            num_beams=_bound("infer.num_beams", 1),
+    )
+    setup = ModelSetup(
+        path=_path(model, bound.model_dir, environ),
+        step=None if model else _step(bound.checkpoint_step),
+        gin=gin_flags,
+        max_input_length=input_length,
+        max_target_length=target_length,
+        defaults=Decoding(
+            num_beams=bound.num_beams,
             max_length=target_length,
-            temperature=float(_bound("infer.temperature", 0.0)),
-            top_k=_bound("infer.top_k", 0),
-            seed=_bound("infer.random_seed", 0),
-        )
-        setup = ModelSetup(
-            path=_path(model, _bound("infer.model_dir", None), environ),
-            step=None if model else _step(_bound("infer.checkpoint_step", "latest")),
-            gin=gin_flags,
-            max_input_length=input_length,
-            max_target_length=target_length,
-            defaults=defaults,
-            beam_alpha=float(_bound("infer.beam_alpha", 0.6)),
-            truncation=truncation or _bound("infer.truncation", "warn"),
-        )
-    finally:
-        gin.clear_config()
-    if setup.truncation not in TRUNCATION:
-        raise UserError(f"INFER_TRUNCATION = {setup.truncation!r}; use 'warn' or 'error'")
+            temperature=float(bound.temperature),
+            top_k=bound.top_k,
+            seed=bound.random_seed,
+        ),
+        beam_alpha=float(bound.beam_alpha),
+        truncation=truncation or bound.truncation,
+    )
+    validators.choice(infer.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
     return setup
 
@@ -172,14 +157,6 @@ def load_engine(
     )
     model.vocabulary  # noqa: B018 - a model without one cannot take text: say so now
     _decoding_settings(setup).check(vocab_size=model.model.config.vocab_size)
-    if setup.gin.files:
-        # load() read the model from the gin files and cleared them; the tasks' prompts follow
-        # what they bind (normalize_questions, the data they name), as in training.
-        gin_setup.parse(
-            gin_files=list(setup.gin.files),
-            bindings=list(setup.gin.bindings),
-            search_paths=list(setup.gin.search_paths),
-        )
     say(f"loaded {model!r}")
     return ModelWorker(
         model=model,

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from collections.abc import Sequence
 
+from t5tpu import validators
 from t5tpu.tasks.serving import Field, Route
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
@@ -147,18 +147,22 @@ def _text(value, where: str) -> str:
     return value
 
 
-_TYPE_NAMES = {str: "a string", int: "a whole number", float: "a number", bool: "a boolean"}
+_TYPE_NAMES = {
+    str: "a string",
+    int: validators.whole().wanted,
+    float: "a number",
+    bool: "a boolean",
+}
 
 
 def _typed(value, kind: type, where: str):
-    """`value` if JSON gave it type `kind` (a whole number is a number too; a boolean is
+    """`value` if JSON gave it type `kind` (an integer is a number too; a boolean is
     neither)."""
-    fits = isinstance(value, kind) and (kind is bool or not isinstance(value, bool))
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        fits, value = True, float(value)
-    if kind is float and fits and not math.isfinite(value):
-        fits = False
-    if not fits:
+    if kind is float:
+        if not validators.is_number(value):
+            raise PayloadError(f"{where} must be {_TYPE_NAMES[kind]}, got {_kind(value)}")
+        return float(value)
+    if not validators.is_instance(value, kind):
         raise PayloadError(f"{where} must be {_TYPE_NAMES[kind]}, got {_kind(value)}")
     return value
 
@@ -199,24 +203,19 @@ def _parameters(payload: dict, allowed: tuple[str, ...]) -> dict:
 
 def _whole(parameters: dict, name: str, low: int, high: int, default: int) -> int:
     value = parameters.get(name, default)
-    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise PayloadError(
-            f"parameter {name}={json.dumps(value)} must be a whole number from {low} to {high}"
-        )
+    rule = validators.whole(low, high)
+    if not rule.accepts(value):
+        raise PayloadError(rule.message(f"parameter {name}", value, shown=json.dumps))
     return value
 
 
 def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
     temperature = parameters.get("temperature", defaults.temperature)
-    if (
-        isinstance(temperature, bool)
-        or not isinstance(temperature, int | float)
-        or not math.isfinite(temperature)
-        or temperature < 0
-    ):
+    rule = validators.number(low=0)
+    if not rule.accepts(temperature):
         raise PayloadError(
-            f"parameter temperature={json.dumps(temperature)} must be a number >= 0 "
-            "(0 is greedy, above 0 samples)"
+            rule.message("parameter temperature", temperature, shown=json.dumps)
+            + " (0 is greedy, above 0 samples)"
         )
     decoding = Decoding(
         num_beams=_whole(parameters, "num_beams", 1, MAX_NUM_BEAMS, defaults.num_beams),

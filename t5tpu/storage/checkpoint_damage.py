@@ -25,6 +25,7 @@ import orbax.checkpoint as ocp
 import tensorstore as ts
 from etils import epath
 
+from t5tpu import validators
 from t5tpu.errors import UserError
 from t5tpu.storage import model_dir as paths
 
@@ -119,7 +120,7 @@ def _entry_array(entry) -> str | None | bool:
         return False
     if not all(isinstance(k, dict) and isinstance(k.get("key"), str) for k in keys):
         return False
-    if not isinstance(value.get("value_type"), str) or not isinstance(
+    if not isinstance(value.get("value_type"), str) or not validators.is_instance(
         value.get("skip_deserialize", False), bool
     ):
         return False
@@ -130,7 +131,7 @@ def _tree_reason(document: dict, keys: list[bytes], name: str) -> str | None:
     """Whether _METADATA's tree names arrays the database holds: orbax would otherwise fail
     reading them in its worker threads, which print tracebacks on their way out."""
     tree, zarr3 = document.get("tree_metadata"), document.get("use_zarr3", False)
-    if not isinstance(tree, dict) or not tree or not isinstance(zarr3, bool):
+    if not isinstance(tree, dict) or not tree or not validators.is_instance(zarr3, bool):
         return f"{name} has no tree_metadata of arrays"
     stored = {key.decode("utf-8", "replace") for key in keys}
     suffix = "zarr.json" if zarr3 else ".zarray"

@@ -13,6 +13,7 @@ import json
 
 from etils import epath
 
+from t5tpu import validators
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.storage import remote
 
@@ -109,7 +110,7 @@ def field(mapping: dict, key: str, expect: type | tuple[type, ...], *, path: str
     if not isinstance(mapping, dict) or key not in mapping:
         raise UserError(f"{what}: {path} lacks {key!r}; is it the right file?")
     value = mapping[key]
-    if not isinstance(value, expect) or (isinstance(value, bool) and bool not in _types(expect)):
+    if not validators.is_instance(value, _types(expect)):  # a JSON true is not a number
         raise UserError(
             f"{what}: {path} has {key!r} of type {type(value).__name__}, where "
             f"{' or '.join(t.__name__ for t in _types(expect))} is expected; fix the file"

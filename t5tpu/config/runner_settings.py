@@ -1,0 +1,62 @@
+"""A runner's settings, as the parsed gin files bind them, read as a typed object by code that
+does not run the runner (`t5tpu serve` answers with the settings `t5tpu infer` would use).
+
+Each field is the runner's argument of the same name: read through the runner's signature, so
+an argument renamed in the runner fails here at once instead of being read as unbound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from typing import TypeVar
+
+import gin
+
+from t5tpu.config import gin_setup
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(frozen=True)
+class InferSettings:
+    """What `t5tpu infer` (runners.infer.infer) would decode with; None where the runner has
+    no default and nothing is bound."""
+
+    model_dir: str | None
+    checkpoint_step: int | str
+    task_feature_lengths: dict | None
+    num_beams: int
+    temperature: float
+    top_k: int
+    random_seed: int
+    beam_alpha: float
+    truncation: str
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainSteps:
+    """Where the experiment's training (runners.train.train) stops, for the evaluation that
+    follows it: TRAIN_STEPS, counted from the start unless relative_steps."""
+
+    train_steps: int | None
+    relative_steps: bool
+
+
+def bound_settings(runner: Callable, settings: type[T]) -> T:
+    """`settings` (a dataclass) with each field the value `runner`'s argument of that name is
+    bound to, else the runner's default, else None (gin.REQUIRED counts as unbound)."""
+    parameters = inspect.signature(runner).parameters
+    values = {}
+    for field in dataclasses.fields(settings):
+        parameter = parameters.get(field.name)
+        if parameter is None:
+            raise TypeError(f"{runner.__name__} has no argument {field.name!r} for {settings}")
+        value = gin_setup.bound_value(f"{runner.__name__}.{field.name}")
+        if value is None or value is gin.REQUIRED:
+            default = parameter.default
+            unset = default is inspect.Parameter.empty or default is gin.REQUIRED
+            value = None if unset else default
+        values[field.name] = value
+    return settings(**values)
