@@ -1,5 +1,6 @@
 """Shared test set-up: every test starts from an empty gin configuration; the fixtures
-tiny_config and trained_tiny; the files with slow tests run first.
+tiny_config and trained_tiny; JAX's compilation cache for the programs compiled in-process; the
+files with slow tests run first.
 
 Several tests parse gin files in-process (model configs, plans, conversions); without the empty
 configuration, a binding left by one (say the real T5 vocabulary on gs://) would leak into the
@@ -56,6 +57,30 @@ if _worker := os.environ.get("PYTEST_XDIST_WORKER"):
     os.environ.setdefault(
         "T5TPU_COMPILATION_CACHE", os.path.expanduser(f"~/.cache/t5tpu/jax-{_worker}")
     )
+
+
+def pytest_configure(config):
+    """The programs the tests compile in this process (models built and run here) are kept in
+    JAX's on-disk cache too, so the next run of the suite loads them instead of compiling. Its
+    own directory beside the subprocesses': this process compiles while they run, and a program
+    read while another process still writes it is a warning in their output. Turned on before
+    the first compile, since JAX decides once whether a process uses a cache."""
+    if config.getoption("numprocesses", None) and not _worker:
+        return  # pytest-xdist's controller: it runs no tests
+    from t5tpu.runtime import compilation_cache
+
+    subprocesses = compilation_cache.directory()
+    if subprocesses is None:  # T5TPU_COMPILATION_CACHE=off
+        return
+    chosen = os.environ.get(compilation_cache.ENV)
+    os.environ[compilation_cache.ENV] = f"{subprocesses}-pytest"
+    try:
+        compilation_cache.enable()
+    finally:
+        if chosen is None:
+            del os.environ[compilation_cache.ENV]
+        else:
+            os.environ[compilation_cache.ENV] = chosen
 
 
 # scripts/test.sh hands whole files to two workers in collection order (--dist loadfile,
