@@ -42,7 +42,14 @@ from t5tpu.formats import (
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
-from t5tpu.storage import atomic_files, checkpoints, remote, save_guards, user_files
+from t5tpu.storage import (
+    adapted_checkpoints,
+    atomic_files,
+    checkpoints,
+    remote,
+    save_guards,
+    user_files,
+)
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
 # The formats t5tpu imports (param_mapping.CheckpointReader), in the order detect_format tries.
@@ -131,11 +138,12 @@ def load_pretrained(path: str, abstract_params, shardings=None):
         # A damaged one is refused in one line before orbax starts: a restore that fails
         # part-way leaves its worker threads printing tracebacks.
         checkpoints.check_readable(model_dir, step)
-        return checkpoints.restore_params(
+        return adapted_checkpoints.restore_params(
             checkpoints.manager(model_dir, read_only=True),
             step,
             abstract_params,
             shardings if shardings is not None else _single_device(abstract_params),
+            load_base=load_pretrained,  # a LoRA run's checkpoint: its base, adapters merged
         )
     unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
     params = IMPORTERS[source](path).load(unrolled, unrolled_shardings)

@@ -42,6 +42,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners import adapted_run
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, remote
@@ -108,6 +109,22 @@ class StepSetup:
         return trainer.compile_train_step(
             self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
         )
+
+    # What evaluation and checkpoints take from the setup; a LoRA run's (adapted_run.py)
+    # merges its adapters into the base and names the base in every checkpoint.
+    @property
+    def eval_model(self) -> EncoderDecoderModel:
+        return self.model
+
+    @property
+    def eval_shardings(self):
+        return self.shardings.params
+
+    def eval_params(self, params):
+        return params
+
+    def checkpoint_metadata(self) -> dict:
+        return {}
 
 
 def _create_dir(model_dir: str) -> bool:
@@ -236,7 +253,17 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     """The state to start from, placed on the mesh (see the module docstring for the order)."""
     if start.resume:
         return _resumed_state(setup=setup, mngr=mngr, step=start.resume.step)
+    if isinstance(setup, adapted_run.AdaptedStepSetup):
+        return setup.fresh_state(seed=seed, step=start.input_start_step)
     return _fresh_state(setup=setup, seed=seed, start=start)
+
+
+def _step_setup(*, settings, mngr, start: StartPoint, **parts):
+    """StepSetup of a full fine-tuning run, or adapted_run's of a LoRA run (`settings`)."""
+    adapted_run.check_resumable(mngr, start.resume, settings)
+    if settings is None:
+        return StepSetup.build(**parts)
+    return adapted_run.AdaptedStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
 
 
 def _input_stream(
@@ -257,21 +284,22 @@ def _input_stream(
 def _evaluator(
     evals: EvalSettings, *, data: InputSettings, setup: StepSetup, model_dir: str
 ) -> TaskEvaluator:
-    return TaskEvaluator(
-        model=setup.model,
+    evaluator = TaskEvaluator(
+        model=setup.eval_model,
         task_name=data.task_name,
         task_feature_lengths=data.task_feature_lengths,
         split=evals.split,
         batch_size=evals.batch_size,
         partitioner=setup.partitioner,
-        param_shardings=setup.shardings.params,
+        param_shardings=setup.eval_shardings,
         model_dir=model_dir,
         num_examples=evals.num_examples,
         settings=decoding.DecodingSettings(),
     )
+    return lambda params, step: evaluator(setup.eval_params(params), step)
 
 
-def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: str):
+def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: str, metadata):
     return Checkpointer(
         mngr=mngr,
         dtype=dtype,
@@ -280,6 +308,7 @@ def _checkpointer(mngr, start: StartPoint, stream, config: TrainConfig, dtype: s
         config=config,
         # Found unreadable by resume_point: replaced when their steps are saved again.
         damaged_steps=start.resume.damaged_steps if start.resume else (),
+        metadata=metadata,
     )
 
 
@@ -328,7 +357,9 @@ def _train_steps(
         last_step=start.last_step,
         progress=Progress(first_step, start.last_step, layout.num_shards),
         writer=writer,
-        checkpointer=_checkpointer(mngr, start, stream, config, checkpoint_dtype),
+        checkpointer=_checkpointer(
+            mngr, start, stream, config, checkpoint_dtype, setup.checkpoint_metadata()
+        ),
         evaluator=evaluator,
         preemption=PreemptionWatch(),
     )
@@ -366,8 +397,12 @@ def train(
     eval_num_examples: int | None = None,
     initial_checkpoint_path: str | None = None,
     relative_steps: bool = False,
+    method=None,
 ) -> trainer.TrainState:
-    """Trains until step TRAIN_STEPS (absolute unless relative_steps; see the module docstring)."""
+    """Trains until step TRAIN_STEPS (absolute unless relative_steps; see the module docstring).
+    `method`: 'full' (None) trains every weight; 'lora' or @lora() trains low-rank adapters on
+    the frozen INITIAL_CHECKPOINT_PATH (runners/adapted_run.py)."""
+    settings = adapted_run.settings_of(method)
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("BATCH_SIZE", batch_size, num_microbatches)
     partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size or batch_size)
@@ -380,14 +415,17 @@ def train(
     _check_data(data, mixture_or_task_module, evals if eval_period else None)
     with _sole_writer(model_dir):
         start = _start_point(model_dir, initial_checkpoint_path, train_steps, relative_steps)
-        setup = StepSetup.build(
+        mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+        setup = _step_setup(
+            settings=settings,
+            mngr=mngr,
+            start=start,
             model=model,
             optimizer=optimizer,
             partitioner=partitioner,
             lengths=pipeline.model_lengths(task_feature_lengths),
             num_microbatches=num_microbatches,
         )
-        mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
         state = _start_state(setup=setup, mngr=mngr, seed=random_seed, start=start)
         return _train_steps(
             state,
