@@ -10,6 +10,7 @@ between steps decodes with the adapters merged into the base (a plain model).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,13 @@ class AdaptedStepSetup:
         return self.record.metadata()
 
     def eval_params(self, adapters):
+        return self._merge(self.base, adapters)
+
+    @functools.cached_property
+    def _merge(self):
+        # Compiled once for the run's evaluations.
         merge = lambda base, adapters: lora.merge(base, adapters, self.record.settings)
-        return jax.jit(merge, out_shardings=self.eval_shardings)(self.base, adapters)
+        return jax.jit(merge, out_shardings=self.eval_shardings)
 
     def fresh_state(self, *, seed: int, step: int) -> trainer.TrainState:
         def init(rng):
