@@ -231,3 +231,9 @@ def test_peft_adapters_on_the_hf_base_decode_as_t5tpu(base, adapted, last_word, 
     with torch.no_grad():
         ids = adapted_hf.generate(**encoded, max_new_tokens=16, do_sample=False, num_beams=1)
     assert tokenizer.batch_decode(ids, skip_special_tokens=True) == ours
+
+
+def test_finetune_with_method_lora_needs_a_base(tmp_path):
+    with pytest.raises(UserError, match="FINETUNE_METHOD = 'lora' adapts a trained model: set INI"):
+        api.finetune(EXPERIMENT, model_dir=str(tmp_path / "run"), method="lora", TRAIN_STEPS=1)
+    assert not os.path.exists(tmp_path / "run")  # made for the lock, removed again
