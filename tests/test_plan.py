@@ -500,7 +500,9 @@ def test_docs_table_matches_the_plans():
         if line.startswith("| ") and line.count("|") > 10
     }
     for name in experiments:
-        task, size, topology = re.match(r"(.+)_(small|base|large|3B|11B)_(v.+)$", name).groups()
+        found = re.match(r"(.+)_(small|base|large|3B|11B)_(lora_)?(v.+)$", name)
+        task, size, lora, topology = found.groups()
+        task = f"{task} (LoRA)" if lora else task
         path = f"configs/experiments/{name}.gin"
         gin_setup.parse([path], [], [])
         plan = plan_runner.plan()

@@ -27,6 +27,7 @@ def finetune(
     model_dir: str,
     bindings: list[str] | tuple[str, ...] = (),
     search_paths: list[str] | tuple[str, ...] = (),
+    method: str | None = None,
     **macros,
 ) -> str:
     """Trains as `t5tpu train --gin_file=... --gin.MODEL_DIR=... --gin.NAME=VALUE` would;
@@ -36,6 +37,8 @@ def finetune(
     macros: macro values as Python values, e.g. TRAIN_STEPS=1000, LEARNING_RATE=1e-3,
       TASK_FEATURE_LENGTHS={"inputs": 128, "targets": 8}.
     bindings: any other gin binding as text, e.g. "train.relative_steps = True".
+    method: 'full' or 'lora' (FINETUNE_METHOD; default: the gin files'): 'lora' trains low-rank
+      adapters on the frozen INITIAL_CHECKPOINT_PATH, set with bindings such as "lora.rank = 16".
     Bad settings raise t5tpu.errors.UserError with the message the CLI would print.
     """
     # Training reads its data through TensorFlow: imported first, quietly, so that nothing
@@ -48,6 +51,7 @@ def finetune(
     all_bindings = [
         _binding("MODEL_DIR", str(model_dir)),
         *(_binding(name, value) for name, value in macros.items()),
+        *([_binding("FINETUNE_METHOD", method)] if method is not None else []),
         *bindings,
     ]
     with library_notes_hidden():

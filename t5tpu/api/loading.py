@@ -25,7 +25,7 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import Partitioner
 from t5tpu.runtime import compilation_cache, lazy_imports
-from t5tpu.storage import checkpoints
+from t5tpu.storage import adapted_checkpoints, checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
 
@@ -63,7 +63,7 @@ def _t5tpu_description(
     beside = [os.path.join(run_dir, name) for name in (paths.MODEL_GIN, paths.TRAIN_CONFIG)]
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     mngr = checkpoints.manager(run_dir, read_only=True)
-    shapes = checkpoints.flat_shapes(mngr.item_metadata(checkpoint.step)["params"])
+    shapes = adapted_checkpoints.param_shapes(mngr, checkpoint.step)
     config, vocabulary = conversion.model_from_gin(gin_files, shapes)
     if vocabulary is None and gin_files:
         # A run that bound no vocabulary trained with the bundled one, which default_vocabulary

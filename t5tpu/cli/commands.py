@@ -119,6 +119,11 @@ TRAIN = GinCommand(
             "None",
             "pretrained weights: a checkpoint_N, Hugging Face, T5X or Mesh TF checkpoint",
         ),
+        Macro(
+            "FINETUNE_METHOD",
+            "'full'",
+            "'lora': low-rank adapters on the frozen INITIAL_CHECKPOINT_PATH (lora.rank, ...)",
+        ),
     ),
     example=(
         f"t5tpu train --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" --gin.TRAIN_STEPS=300"

@@ -2,6 +2,7 @@
 
     t5tpu convert [--from={hf,t5x,mesh_tf}] --input=PATH --output_dir=DIR [--overwrite]
     t5tpu convert --to=hf --input=CHECKPOINT --output_dir=DIR [--gin_file=MODEL_GIN ...]
+        [--lora={merged,adapters}]
 
 This module is the command's flags; the conversion is t5tpu.formats.conversion's, imported once the
 flags have been parsed (it loads jax, orbax and TensorFlow).
@@ -26,7 +27,9 @@ it with `t5tpu train --gin_file=EXPERIMENT.gin --gin_file=DIR/model.gin`.
 
 With --to=hf, a t5tpu checkpoint_<step> (or a MODEL_DIR's newest) becomes a Hugging Face \
 directory; what shapes cannot tell (gated activation, relative position distance, vocabulary) \
-comes from --gin_file, else from the model.gin or config.gin beside the checkpoint."""
+comes from --gin_file, else from the model.gin or config.gin beside the checkpoint. A LoRA run's \
+checkpoint is written merged into its base, or with --lora=adapters as its adapters in PEFT's \
+format (adapter_config.json + adapter_model.safetensors) for the Hugging Face export of the base."""
 
 
 def parser() -> ToolParser:
@@ -52,6 +55,13 @@ def parser() -> ToolParser:
         metavar="FILE",
         help="--to=hf: the model's gin file(s) (default: model.gin or config.gin beside it)",
     )
+    parser.add_argument(
+        "--lora",
+        choices=["merged", "adapters"],
+        default="merged",
+        help="--to=hf of a LoRA run: the base with the adapters merged, or the adapters alone "
+        "in PEFT's format",
+    )
     return parser
 
 
@@ -72,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
             source=args.source,
             overwrite=args.overwrite,
             gin_files=args.gin_file,
+            lora_output=args.lora,
         )
     else:
         conversion.to_t5tpu(

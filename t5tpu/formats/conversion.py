@@ -34,13 +34,21 @@ from t5tpu.formats import (
     hf_format,
     hf_tokenizer,
     mesh_tf_format,
+    peft_format,
     t5x_format,
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import layer_stacking
+from t5tpu.model import layer_stacking, lora
 from t5tpu.model.network import T5Config
-from t5tpu.storage import atomic_files, checkpoints, remote, save_guards, user_files
+from t5tpu.storage import (
+    adapted_checkpoints,
+    atomic_files,
+    checkpoints,
+    remote,
+    save_guards,
+    user_files,
+)
 from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
 
 # The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
@@ -155,15 +163,21 @@ class OpenedCheckpoint:
             # A damaged one is refused in one line before orbax starts: a restore that fails
             # part-way leaves its worker threads printing tracebacks.
             checkpoints.check_readable(model_dir, step)
-            return checkpoints.restore_params(
+            return adapted_checkpoints.restore_params(
                 checkpoints.manager(model_dir, read_only=True),
                 step,
                 abstract_params,
                 shardings if shardings is not None else _single_device(abstract_params),
+                load_base=load_base,  # a LoRA run's checkpoint: its base, adapters merged
             )
         unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
         params = self.reader.load(unrolled, unrolled_shardings)
         return layer_stacking.stack_onto(params, abstract_params, shardings)
+
+
+def load_base(path: str, abstract_params, shardings):
+    """A LoRA run's base checkpoint (any format), as OpenedCheckpoint.load reads it."""
+    return open_checkpoint(path, "the LoRA run's base").load(abstract_params, shardings)
 
 
 def open_checkpoint(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> OpenedCheckpoint:
@@ -445,6 +459,25 @@ def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:
     return readable
 
 
+LORA_OUTPUTS = ("merged", "adapters")
+
+
+def _export_adapters(mngr, step: int, record, config: T5Config, output_dir: str) -> None:
+    """A LoRA checkpoint's adapters alone, in PEFT's format."""
+    abstract = checkpoint_reader.abstract_params(config)
+    targets = lora.adapter_shapes(abstract, _single_device(abstract), record.settings)
+    shardings = jax.tree_util.tree_map(lambda t: t.sharding, targets)
+    adapters = checkpoints.restore_params(mngr, step, targets, shardings)
+    with _written_output(output_dir) as folder:
+        peft_format.export(jax.device_get(adapters), record.settings, config, folder)
+    print(
+        f"wrote the LoRA adapters of {checkpoint_dir(str(mngr.directory), step)} to {output_dir} "
+        f"in PEFT's format; load them with peft.PeftModel.from_pretrained(MODEL, "
+        f"'{output_dir}') onto the Hugging Face export of the base {record.base.path}",
+        flush=True,
+    )
+
+
 def to_hf(
     *,
     input_path: str,
@@ -452,25 +485,37 @@ def to_hf(
     source: str | None,
     overwrite: bool,
     gin_files: list[str],
+    lora_output: str = "merged",
 ) -> None:
     """Writes the t5tpu checkpoint at `input_path` (a checkpoint_<step>, or a MODEL_DIR's
     newest) as a Hugging Face directory; `gin_files` describe its model (default: the model.gin
-    or config.gin beside it)."""
+    or config.gin beside it). A LoRA run's checkpoint is written merged into its base, or with
+    `lora_output='adapters'` as its adapters in PEFT's format."""
     if source not in (None, "t5tpu"):
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
+    if lora_output not in LORA_OUTPUTS:
+        raise UserError(f"--lora={lora_output!r}; use one of {', '.join(LORA_OUTPUTS)}")
     source_dir = _export_source(input_path)
     run_dir, step = source_dir.model_dir, source_dir.step
     checkpoints.check_readable(run_dir, step)  # a half-copied one: one line, nothing written
     _check_output(output_dir, input_path, overwrite)
     mngr = checkpoints.manager(run_dir, read_only=True)
-    shapes = checkpoints.flat_shapes(mngr.item_metadata(step)["params"])
+    record = adapted_checkpoints.record_of(mngr, step)
+    if lora_output == "adapters" and record is None:
+        raise UserError(f"--lora=adapters: {input_path} is not a LoRA run's checkpoint")
+    shapes = adapted_checkpoints.param_shapes(mngr, step)
     beside = [os.path.join(run_dir, name) for name in (MODEL_GIN, TRAIN_CONFIG)]
     gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
     with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
         readable = _readable_gin_files(gin_files, staging)
         config, vocabulary = model_from_gin(readable, shapes)
+    if lora_output == "adapters":
+        _export_adapters(mngr, step, record, config, output_dir)
+        return
     abstract = checkpoint_reader.abstract_params(config)
-    params = checkpoints.restore_params(mngr, step, abstract, _single_device(abstract))
+    params = adapted_checkpoints.restore_params(
+        mngr, step, abstract, _single_device(abstract), load_base=load_base
+    )
     with _written_output(output_dir) as folder:
         hf_format.export(
             jax.device_get(params), config, folder, vocabulary_source.of_vocabulary(vocabulary)

@@ -16,6 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from t5tpu.model import lora as lora_adapters
 from t5tpu.model import precision
 
 Array = jax.Array
@@ -52,6 +53,8 @@ class DenseGeneral(nn.Module):
     dtype: jnp.dtype = jnp.float32
     kernel_init: Initializer = default_kernel_init
     output_dtype: jnp.dtype | None = None  # None: `dtype` (the logits ask for float32)
+    # Settings of a low-rank adapter beside the kernel (model/lora.py); None: no adapter.
+    lora: lora_adapters.LoraSettings | None = None
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
@@ -73,7 +76,21 @@ class DenseGeneral(nn.Module):
         rows = x.reshape((-1, fan_in))
         flat_kernel = kernel.reshape(flat_shape)
         out = precision.einsum("mk,kn->mn", rows, flat_kernel, self.dtype, self.output_dtype)
+        if self.lora is not None:
+            out = out + self._adapter_output(rows, in_shape).astype(out.dtype)
         return out.reshape(x.shape[: x.ndim - self.num_in_dims] + self.features)
+
+    def _adapter_output(self, rows: Array, in_shape: tuple[int, ...]) -> Array:
+        return lora_adapters.adapter_output(
+            self,
+            rows,
+            in_shape=in_shape,
+            features=self.features,
+            kernel_axes=self.kernel_axes,
+            settings=self.lora,
+            dtype=self.dtype,
+            einsum=precision.einsum,
+        )
 
 
 class RMSNorm(nn.Module):
@@ -205,6 +222,11 @@ class MultiHeadAttention(nn.Module):
     head_dim: int
     dropout_rate: float = 0.0
     dtype: jnp.dtype = jnp.float32
+    lora: lora_adapters.LoraSettings | None = None  # adapters of the targets it names
+
+    def _adapter(self, name: str) -> lora_adapters.LoraSettings | None:
+        target = lora_adapters.ATTENTION_TARGETS[name]
+        return self.lora if self.lora and self.lora.adapts(target) else None
 
     def _project(self, name, x, scale=1.0):
         init = nn.initializers.variance_scaling(scale, "fan_in", "truncated_normal")
@@ -213,6 +235,7 @@ class MultiHeadAttention(nn.Module):
             ("embed", "heads", "kv"),
             dtype=self.dtype,
             kernel_init=init,
+            lora=self._adapter(name),
             name=name,
         )
         return constrain(dense(x), ("batch", "length", "heads", "kv"))
@@ -260,6 +283,7 @@ class MultiHeadAttention(nn.Module):
             ("heads", "kv", "embed"),
             num_in_dims=2,
             dtype=self.dtype,
+            lora=self._adapter("out"),
             name="out",
         )
         return dense(out)
@@ -316,6 +340,11 @@ class MlpBlock(nn.Module):
     activations: tuple[str, ...]
     dropout_rate: float = 0.0
     dtype: jnp.dtype = jnp.float32
+    lora: lora_adapters.LoraSettings | None = None  # adapters of the targets it names
+
+    def _adapter(self, name: str) -> lora_adapters.LoraSettings | None:
+        target = lora_adapters.mlp_target(name)
+        return self.lora if self.lora and self.lora.adapts(target) else None
 
     @nn.compact
     def __call__(self, x: Array, deterministic: bool) -> Array:
@@ -329,10 +358,14 @@ class MlpBlock(nn.Module):
                 ("embed", "mlp"),
                 dtype=self.dtype,
                 output_dtype=jnp.float32,
+                lora=self._adapter(dense_name),
                 name=dense_name,
             )(x)
             h = ACTIVATIONS[name](h)
             hidden = h if hidden is None else hidden * h
         hidden = constrain(hidden.astype(self.dtype), ("batch", "length", "mlp"))
         hidden = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(hidden, deterministic)
-        return DenseGeneral((x.shape[-1],), ("mlp", "embed"), dtype=self.dtype, name="wo")(hidden)
+        wo = DenseGeneral(
+            (x.shape[-1],), ("mlp", "embed"), dtype=self.dtype, lora=self._adapter("wo"), name="wo"
+        )
+        return wo(hidden)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from t5tpu.errors import UserError
 from t5tpu.model import layers
+from t5tpu.model.lora import LoraSettings
 
 Array = jax.Array
 # What each layer saves for the backward pass ('none': everything, no recomputation).
@@ -60,6 +61,9 @@ class T5Config:
     # compile time no longer grows with depth; checkpoints keep the layers_N layout. Dropout
     # masks differ from the unrolled stack's; everything else is computed alike.
     scan_layers: bool = False
+    # Low-rank adapters beside the kernels they target (model/lora.py); set by a LoRA training
+    # run (train.method = @lora()), not by model files: None everywhere else.
+    lora: LoraSettings | None = None
 
     def __post_init__(self):
         # A misspelled value would otherwise fail deep inside tracing with a traceback.
@@ -158,6 +162,13 @@ def _layer_bias(position_bias: Array, mask_bias: Array) -> Array:
     return position_bias + mask_bias
 
 
+def _mlp(cfg: T5Config) -> layers.MlpBlock:
+    dtype = cfg.activation_dtype
+    return layers.MlpBlock(
+        cfg.mlp_dim, cfg.mlp_activations, cfg.dropout_rate, dtype, cfg.lora, name="mlp"
+    )
+
+
 class EncoderLayer(nn.Module):
     config: T5Config
 
@@ -168,13 +179,11 @@ class EncoderLayer(nn.Module):
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         h = layers.RMSNorm(dtype=dtype, name="pre_attention_layer_norm")(x)
         h = layers.MultiHeadAttention(
-            cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, name="attention"
+            cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, cfg.lora, name="attention"
         )(h, h, _layer_bias(*attention_bias), deterministic)
         x = x + dropout(h, deterministic)
         h = layers.RMSNorm(dtype=dtype, name="pre_mlp_layer_norm")(x)
-        h = layers.MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.dropout_rate, dtype, name="mlp")(
-            h, deterministic
-        )
+        h = _mlp(cfg)(h, deterministic)
         x = x + dropout(h, deterministic)
         x = layers.constrain(x, ("batch", "length", "embed"))
         return (x, None) if cfg.scan_layers else x  # nn.scan's body returns (carry, output)
@@ -193,7 +202,7 @@ class DecoderLayer(nn.Module):
 
         def attention(name):
             return layers.MultiHeadAttention(
-                cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, name=name
+                cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, cfg.lora, name=name
             )
 
         h = layers.RMSNorm(dtype=dtype, name="pre_self_attention_layer_norm")(y)
@@ -207,9 +216,7 @@ class DecoderLayer(nn.Module):
         )
         y = y + dropout(h, deterministic)
         h = layers.RMSNorm(dtype=dtype, name="pre_mlp_layer_norm")(y)
-        h = layers.MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.dropout_rate, dtype, name="mlp")(
-            h, deterministic
-        )
+        h = _mlp(cfg)(h, deterministic)
         y = y + dropout(h, deterministic)
         y = layers.constrain(y, ("batch", "length", "embed"))
         return (y, None) if cfg.scan_layers else y  # nn.scan's body returns (carry, output)

@@ -24,7 +24,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.partitioning import Partitioner, Topology
 from t5tpu.planning.memory_plan import Workload
-from t5tpu.training import trainer
+from t5tpu.training import frozen_base, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +138,18 @@ def train_step_memory(
     """Compiles the train step `t5tpu train` would run (same shardings, donation, microbatches
     and batch features) for the partitioner's devices and reads XLA's memory analysis."""
     lengths = (work.input_length, work.target_length)
-    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
-    step = trainer.compile_train_step(
-        model, optimizer, shardings, partitioner, work.num_microbatches
-    )
+    if model.config.lora is not None:  # a LoRA run: the frozen base is one more argument
+        shapes = frozen_base.state_shardings(model, optimizer, partitioner, *lengths)
+        abstract = (shapes.abstract, shapes.base)
+        step = frozen_base.compile_train_step(
+            model, optimizer, shapes, partitioner, work.num_microbatches
+        )
+    else:
+        state, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+        abstract = (state,)
+        step = trainer.compile_train_step(
+            model, optimizer, shardings, partitioner, work.num_microbatches
+        )
     features = pipeline.feature_converter(pack).get_model_feature_lengths(
         {"inputs": work.input_length, "targets": work.target_length}
     )
@@ -153,7 +161,7 @@ def train_step_memory(
     device = partitioner.mesh.devices.flat[0]
     device_kind = device.device_kind
     try:
-        memory = step.lower(abstract, batch, seed).compile().memory_analysis()
+        memory = step.lower(*abstract, batch, seed).compile().memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise

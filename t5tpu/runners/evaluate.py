@@ -25,7 +25,7 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import results_dir, train
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
-from t5tpu.storage import checkpoints
+from t5tpu.storage import adapted_checkpoints, checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.tasks import registry
 from t5tpu.training import trainer
@@ -73,7 +73,7 @@ def _checked_steps(model_dir: str, checkpoint_step: int | str, params_shape) -> 
     steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
     mngr = checkpoints.manager(model_dir, read_only=True)
     for step in steps:
-        checkpoints.check_geometry(mngr, step, params_shape)
+        adapted_checkpoints.check_geometry(mngr, step, params_shape)
     return steps
 
 
@@ -83,8 +83,12 @@ def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bo
     mngr = checkpoints.manager(model_dir, read_only=True)
     try:
         if continuous:  # the other modes check every step before anything is written
-            checkpoints.check_geometry(mngr, step, params_shape)
-        return checkpoints.restore_params(mngr, step, params_shape, shardings)
+            adapted_checkpoints.check_geometry(mngr, step, params_shape)
+        from t5tpu.formats import conversion  # a LoRA checkpoint's base may be in any format
+
+        return adapted_checkpoints.restore_params(
+            mngr, step, params_shape, shardings, load_base=conversion.load_base
+        )
     except Exception:
         if continuous and not checkpoints.params_readable(model_dir, step):
             return None

@@ -38,7 +38,7 @@ from t5tpu.runners import (
     prediction_files,
     results_dir,
 )
-from t5tpu.storage import checkpoints
+from t5tpu.storage import adapted_checkpoints, checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import preemption, trainer
 
@@ -113,11 +113,19 @@ class _Checkpoints:
         params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
         mngr = checkpoints.manager(model_dir, read_only=True)
         for step in steps:
-            checkpoints.check_geometry(mngr, step, params_shape)
+            adapted_checkpoints.check_geometry(mngr, step, params_shape)
         return cls(mngr, steps, params_shape, shardings)
 
     def params(self, step: int):
-        return checkpoints.restore_params(self.mngr, step, self.params_shape, self.shardings)
+        from t5tpu.formats import conversion  # a LoRA checkpoint's base may be in any format
+
+        return adapted_checkpoints.restore_params(
+            self.mngr,
+            step,
+            self.params_shape,
+            self.shardings,
+            load_base=conversion.load_base,
+        )
 
 
 class _Decoder:

@@ -27,7 +27,8 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
-from t5tpu.planning import compiled_memory, knobs, memory_plan, placements
+from t5tpu.planning import compiled_memory, knobs, lora_plan, memory_plan, placements
+from t5tpu.runners import adapted_run
 
 
 def _train_binding(name: str):
@@ -80,7 +81,7 @@ def report(
     lines = [
         f"topology {t.name}: {mesh['data'] * mesh['model']} devices on {t.num_hosts} host(s), "
         f"{hbm}; mesh data={mesh['data']} x model={mesh['model']}",
-        f"model: {num_params:,} parameters (float32), activations {c.dtype}, "
+        f"model: {num_params:,} parameters ({_dtypes(c)}), activations {c.dtype}, "
         f"remat {c.remat_policy}",
         f"step: batch {w.batch_size}, inputs {w.input_length}, targets {w.target_length}, "
         f"{w.num_microbatches} microbatch(es) -> {per_device} examples per device at a time",
@@ -111,6 +112,16 @@ def report(
         for name, count, p in _collapsed_placements(plan)
     ]
     return "\n".join(lines)
+
+
+def _dtypes(config: T5Config) -> str:
+    if config.lora is None:
+        return "float32"
+    s = config.lora
+    return (
+        f"LoRA: a frozen {s.base_dtype} base, float32 adapters of rank {s.rank} on "
+        f"{', '.join(s.targets)}"
+    )
 
 
 def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
@@ -275,7 +286,7 @@ def plan(
         partitioning.check_batch_size(
             "BATCH_SIZE", work.batch_size, data_parallelism, work.num_microbatches
         )
-        result = memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
+        result = _plan_training(optimizer, partitioner, work, num_devices)
         compiled = _compile(result, optimizer, partitioner) if compile else None
     fits = _fits(result, compiled)
     options = []
@@ -284,6 +295,16 @@ def plan(
         options = knobs.ranked(result, optimizer, partitioner, budget)
     print(report(result, options, compiled), flush=True)
     return result
+
+
+def _plan_training(optimizer, partitioner, work, num_devices) -> memory_plan.MemoryPlan:
+    """The plan of a full fine-tuning run, or of a LoRA run (train.method)."""
+    settings = adapted_run.settings_of(_train_binding("method"))
+    if settings is None:
+        return memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
+    return lora_plan.plan_lora_training(
+        T5Config(), settings, optimizer, partitioner, work, num_devices
+    )
 
 
 def _compile(

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import jax
@@ -43,6 +44,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners import adapted_run
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, remote
@@ -113,6 +115,22 @@ class StepSetup:
         return trainer.compile_train_step(
             self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
         )
+
+    # What evaluation and checkpoints take from the setup; a LoRA run's (adapted_run.py)
+    # merges its adapters into the base and names the base in every checkpoint.
+    @property
+    def eval_model(self) -> EncoderDecoderModel:
+        return self.model
+
+    @property
+    def eval_shardings(self):
+        return self.shardings.params
+
+    def eval_params(self, params):
+        return params
+
+    def checkpoint_metadata(self) -> dict:
+        return {}
 
 
 def _create_dir(model_dir: str) -> bool:
@@ -246,11 +264,40 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     """The state to start from, placed on the mesh (see the module docstring for the order)."""
     if start.resume:
         return _resumed_state(setup=setup, mngr=mngr, step=start.resume.step)
+    if isinstance(setup, adapted_run.AdaptedStepSetup):
+        return setup.fresh_state(seed=seed, step=start.input_start_step)
     return _fresh_state(setup=setup, seed=seed, start=start)
 
 
+def _step_setup(*, settings, mngr, start: StartPoint, **parts):
+    """StepSetup of a full fine-tuning run, or adapted_run's of a LoRA run (`settings`)."""
+    adapted_run.check_resumable(mngr, start.resume, settings)
+    if settings is None:
+        return StepSetup.build(**parts)
+    return adapted_run.AdaptedStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
+
+
+def _evaluator(
+    evals: EvalSettings, *, data: InputSettings, setup: StepSetup, model_dir: str
+) -> Callable:
+    """Evaluation during training, on the parameters the setup evaluates (a LoRA run's: its
+    adapters merged into the base)."""
+    evaluator = TaskEvaluator(
+        model=setup.eval_model,
+        task_name=data.task_name,
+        task_feature_lengths=data.task_feature_lengths,
+        split=evals.split,
+        batch_size=evals.batch_size,
+        partitioner=setup.partitioner,
+        param_shardings=setup.eval_shardings,
+        model_dir=model_dir,
+        num_examples=evals.num_examples,
+        settings=decoding.DecodingSettings(),
+    )
+    return lambda params, step: evaluator(setup.eval_params(params), step)
+
+
 def _train_steps(
-    state: trainer.TrainState,
     *,
     model_dir: str,
     setup: StepSetup,
@@ -261,8 +308,9 @@ def _train_steps(
     periods: Periods,
     checkpoint_dtype: str,
 ) -> trainer.TrainState:
-    """Trains the steps left after `state`'s: the input stream and the evaluator first, so that
-    bad input is refused before the run is recorded as started."""
+    """Trains the steps left after the start state's: the input stream and the evaluator first,
+    so that bad input is refused before the run is recorded as started."""
+    state = _start_state(setup=setup, mngr=mngr, seed=data.seed, start=start)
     first_step = int(state.step)
     batches_used = max(first_step - start.input_start_step, 0)
     if first_step >= start.last_step:
@@ -279,20 +327,7 @@ def _train_steps(
         layout=layout,
         saved_position=checkpoints.input_position_path(mngr, first_step),
     )
-    evaluator = None
-    if evals:
-        evaluator = TaskEvaluator(
-            model=setup.model,
-            task_name=data.task_name,
-            task_feature_lengths=data.task_feature_lengths,
-            split=evals.split,
-            batch_size=evals.batch_size,
-            partitioner=setup.partitioner,
-            param_shardings=setup.shardings.params,
-            model_dir=model_dir,
-            num_examples=evals.num_examples,
-            settings=decoding.DecodingSettings(),
-        )
+    evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
     return _run_loop(
         state,
         model_dir=model_dir,
@@ -317,7 +352,7 @@ def _run_loop(
     start: StartPoint,
     stream: pipeline.InputStream,
     layout,
-    evaluator: TaskEvaluator | None,
+    evaluator: Callable | None,
     dropout_seed: int,
     periods: Periods,
     checkpoint_dtype: str,
@@ -341,6 +376,7 @@ def _run_loop(
         config=config,
         # Found unreadable by resume_point: replaced when their steps are saved again.
         damaged_steps=start.resume.damaged_steps if start.resume else (),
+        metadata=setup.checkpoint_metadata(),
     )
     loop = TrainLoop(
         model_dir=model_dir,
@@ -363,6 +399,16 @@ def _run_loop(
         flush=True,
     )
     return loop.run(state)
+
+
+def _checked_partitioner(
+    partitioner: Partitioner | None, batch_size: int, eval_batch_size: int, microbatches: int
+) -> Partitioner:
+    """The partitioner (default: every device, data-parallel), the batch sizes checked on it."""
+    partitioner = partitioner or Partitioner()
+    partitioner.check_batch_size("BATCH_SIZE", batch_size, microbatches)
+    partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size)
+    return partitioner
 
 
 @gin_setup.runner
@@ -391,37 +437,38 @@ def train(
     eval_num_examples: int | None = None,
     initial_checkpoint_path: str | None = None,
     relative_steps: bool = False,
+    method=None,
 ) -> trainer.TrainState:
-    """Trains until step TRAIN_STEPS (absolute unless relative_steps; see the module docstring)."""
-    partitioner = partitioner or Partitioner()
-    partitioner.check_batch_size("BATCH_SIZE", batch_size, num_microbatches)
-    partitioner.check_batch_size("EVAL_BATCH_SIZE", eval_batch_size or batch_size)
+    """Trains until step TRAIN_STEPS (see the module docstring); `method`: 'full' (None), or
+    'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/adapted_run.py)."""
+    settings = adapted_run.settings_of(method)
+    evals = EvalSettings(eval_split, eval_batch_size or batch_size, eval_num_examples)
+    partitioner = _checked_partitioner(partitioner, batch_size, evals.batch_size, num_microbatches)
     checkpoints.check_save_dtype(checkpoint_dtype)
-    periods = Periods(log=log_period, save=save_period, eval=eval_period)
     data = InputSettings(
         mixture_or_task_name, task_feature_lengths, batch_size, random_seed, use_packing
     )
-    evals = EvalSettings(eval_split, eval_batch_size or batch_size, eval_num_examples)
     _check_data(data, mixture_or_task_module, evals if eval_period else None)
     with _sole_writer(model_dir):
         start = _start_point(model_dir, initial_checkpoint_path, train_steps, relative_steps)
-        setup = StepSetup.build(
+        mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
+        setup = _step_setup(
+            settings=settings,
+            mngr=mngr,
+            start=start,
             model=model,
             optimizer=optimizer,
             partitioner=partitioner,
             lengths=pipeline.model_lengths(task_feature_lengths),
             num_microbatches=num_microbatches,
         )
-        mngr = checkpoints.manager(model_dir, keep=keep_checkpoints, keep_period=keep_period)
-        state = _start_state(setup=setup, mngr=mngr, seed=random_seed, start=start)
         return _train_steps(
-            state,
             model_dir=model_dir,
             setup=setup,
             mngr=mngr,
             start=start,
             data=data,
             evals=evals if eval_period else None,
-            periods=periods,
+            periods=Periods(log=log_period, save=save_period, eval=eval_period),
             checkpoint_dtype=checkpoint_dtype,
         )

@@ -78,6 +78,7 @@ class Checkpointer:
         stream,
         config: TrainConfig,
         damaged_steps: tuple[int, ...] = (),
+        metadata: dict | None = None,
     ):
         self.mngr = mngr
         self.dtype = dtype
@@ -86,6 +87,8 @@ class Checkpointer:
         self.config = config
         # Steps found unreadable when the run started: replaced when saved (checkpoints.save).
         self.damaged_steps = damaged_steps
+        # Saved with every checkpoint (a LoRA run's adapter record).
+        self.metadata = metadata
 
     def save(self, step: int, state: trainer.TrainState) -> None:
         checkpoints.save(
@@ -96,6 +99,7 @@ class Checkpointer:
             self.dtype,
             self.input_start_step,
             damaged_steps=self.damaged_steps,
+            metadata=self.metadata,
         )
         self.stream.save(checkpoints.input_position_path(self.mngr, step))
         self.config.checkpoint_saved()

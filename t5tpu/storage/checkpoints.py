@@ -97,12 +97,14 @@ def save(
     dtype: str = "float32",
     input_start_step: int = 0,
     damaged_steps=(),
+    metadata: dict | None = None,
 ) -> None:
     """Saves parameters (cast to `dtype`: 'bfloat16' halves the size, and makes resume inexact)
     and optimizer state, and `input_start_step` (see INPUT_START_STEP) in the checkpoint's
     metadata; blocks until the checkpoint is complete on disk. `damaged_steps`: steps found
     unreadable when the run started (ResumePoint), whose directories look complete but are
-    replaced, not taken as already saved. A full disk raises EnvironmentFault."""
+    replaced, not taken as already saved. `metadata`: more of the checkpoint's own (a LoRA
+    run's adapter record). A full disk raises EnvironmentFault."""
     check_save_dtype(dtype)
     if step in mngr.all_steps():
         step_dir = _step_dir(mngr, step)
@@ -124,7 +126,7 @@ def save(
                 params=ocp.args.StandardSave(params),
                 opt_state=ocp.args.StandardSave(opt_state),
             ),
-            custom_metadata={INPUT_START_STEP: input_start_step},
+            custom_metadata={**(metadata or {}), INPUT_START_STEP: input_start_step},
             force=True,
         )
         mngr.wait_until_finished()

@@ -1,0 +1,152 @@
+"""The LoRA side of `t5tpu train` (train.method = @lora(), or FINETUNE_METHOD = 'lora'): what a
+step is made of, the base it adapts, and where the adapters start.
+
+The base is INITIAL_CHECKPOINT_PATH on a fresh run (any format it takes), fingerprinted and
+named in every checkpoint; a resume reads the base its newest checkpoint names, refused in one
+line if it is gone or changed, so the adapters are never trained on another base. Evaluation
+between steps decodes with the adapters merged into the base (a plain model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from t5tpu.errors import UserError
+from t5tpu.model import lora
+from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.partitioning import Partitioner
+from t5tpu.storage import adapted_checkpoints, checkpoints
+from t5tpu.storage import model_dir as paths
+from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage.base_fingerprint import BaseReference
+from t5tpu.training import frozen_base, trainer
+
+METHODS = ("full", "lora")
+
+
+def settings_of(method) -> lora.LoraSettings | None:
+    """train.method: None or 'full' (every weight trained), 'lora' (lora()'s bindings) or
+    @lora() itself."""
+    if method is None or method == "full":
+        return None
+    if method == "lora":
+        return lora.lora()
+    if isinstance(method, lora.LoraSettings):
+        return method
+    raise UserError(f"FINETUNE_METHOD = {method!r}; use 'full' or 'lora' (see lora.rank etc.)")
+
+
+def check_resumable(mngr, resume: checkpoints.ResumePoint | None, settings) -> None:
+    """Refuses to continue a run with another method, or with other LoRA settings."""
+    if resume is None:
+        return
+    record = adapted_checkpoints.record_of(mngr, resume.step)
+    where = paths.checkpoint_dir(str(mngr.directory), resume.step)
+    if record is None and settings is not None:
+        raise UserError(
+            f"{where} is of a full fine-tuning run; train LoRA adapters in another MODEL_DIR, "
+            "with INITIAL_CHECKPOINT_PATH naming the base"
+        )
+    if record is not None and settings is None:
+        raise UserError(f"{where} holds LoRA adapters; resume it with FINETUNE_METHOD = 'lora'")
+    if record is not None and record.settings != settings:
+        raise UserError(
+            f"{where} was trained with {record.settings}, not {settings}; resume with its "
+            f"settings (its {paths.TRAIN_CONFIG}), or use another MODEL_DIR"
+        )
+
+
+def _base_reference(mngr, start) -> BaseReference:
+    if start.resume:
+        record = adapted_checkpoints.record_of(mngr, start.resume.step)
+        record.base.check(paths.checkpoint_dir(str(mngr.directory), start.resume.step))
+        return record.base
+    if not start.initial_checkpoint:
+        raise UserError(
+            "FINETUNE_METHOD = 'lora' adapts a trained model: set INITIAL_CHECKPOINT_PATH to "
+            "the base checkpoint"
+        )
+    return BaseReference.of(start.initial_checkpoint.path)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptedStepSetup:
+    """runners/train.py's StepSetup for a LoRA run: the step trains the adapters (`abstract`
+    and `shardings` are their train state's) on `base`, which is loaded once."""
+
+    model: EncoderDecoderModel  # the adapted one: its loss runs base and adapters
+    eval_model: EncoderDecoderModel  # the plain one: evaluation runs merged parameters
+    optimizer: object
+    partitioner: Partitioner
+    lengths: tuple[int, int]
+    num_microbatches: int
+    abstract: trainer.TrainState
+    shardings: trainer.TrainState
+    shapes: frozen_base.FrozenBaseShapes
+    eval_shardings: object
+    record: AdapterRecord
+    base: object
+
+    @classmethod
+    def build(
+        cls, *, model, optimizer, partitioner, lengths, num_microbatches, settings, mngr, start
+    ) -> AdaptedStepSetup:
+        reference = _base_reference(mngr, start)
+        adapted = frozen_base.adapted_model(model, settings)
+        shapes = frozen_base.state_shardings(adapted, optimizer, partitioner, *lengths)
+        abstract, eval_shardings = trainer.abstract_params(model, partitioner, *lengths)
+        from t5tpu.formats import conversion  # as runners/train.py: TensorFlow on first use
+
+        if start.resume:
+            loaded = conversion.load_base(reference.path, abstract, eval_shardings)
+        else:  # INITIAL_CHECKPOINT_PATH, already opened by train.py
+            loaded = start.initial_checkpoint.load(abstract, eval_shardings)
+        base = jax.jit(
+            lambda p: lora.cast(p, settings.base_dtype),
+            out_shardings=shapes.base_shardings,
+            donate_argnums=(0,),
+        )(loaded)
+        print(f"LoRA on the frozen base {reference.path} ({settings})", flush=True)
+        return cls(
+            model=adapted,
+            eval_model=model,
+            optimizer=optimizer,
+            partitioner=partitioner,
+            lengths=lengths,
+            num_microbatches=num_microbatches,
+            abstract=shapes.abstract,
+            shardings=shapes.shardings,
+            shapes=shapes,
+            eval_shardings=eval_shardings,
+            record=AdapterRecord(settings, reference),
+            base=base,
+        )
+
+    def compiled_step(self):
+        step = frozen_base.compile_train_step(
+            self.model, self.optimizer, self.shapes, self.partitioner, self.num_microbatches
+        )
+        return lambda state, batch, dropout_seed: step(state, self.base, batch, dropout_seed)
+
+    def checkpoint_metadata(self) -> dict:
+        return self.record.metadata()
+
+    def eval_params(self, adapters):
+        return self._merge(self.base, adapters)
+
+    @functools.cached_property
+    def _merge(self):
+        # Compiled once for the run's evaluations.
+        merge = lambda base, adapters: lora.merge(base, adapters, self.record.settings)
+        return jax.jit(merge, out_shardings=self.eval_shardings)
+
+    def fresh_state(self, *, seed: int, step: int) -> trainer.TrainState:
+        def init(rng):
+            state = frozen_base.initial_state(self.model, self.optimizer, rng, *self.lengths)
+            return state.replace(step=jnp.int32(step))
+
+        return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed))
