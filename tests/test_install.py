@@ -127,10 +127,12 @@ def test_wheel_holds_every_config_the_tasks_and_the_assets(wheel):
     assert len(gin_files) > 40 and gin_files <= names, sorted(gin_files - names)
     assert {p for p in names if p.endswith(".gin")} == gin_files
     # Every module, subpackages included (a package missing from the list leaves it out).
+    # (The checkout's own folder may be named t5tpu too: told apart by path, not by name.)
+    package_dir = pathlib.Path(ROOT, "t5tpu")
     modules = {
         f"t5tpu/{path.relative_to(package)}"
-        for package in (pathlib.Path(ROOT, "t5tpu"), pathlib.Path(ROOT))
-        for path in package.glob("**/*.py" if package.name == "t5tpu" else "tasks/*.py")
+        for package in (package_dir, pathlib.Path(ROOT))
+        for path in package.glob("**/*.py" if package == package_dir else "tasks/*.py")
     }
     assert {"t5tpu/api/loading.py", "t5tpu/tasks/quora.py"} <= modules
     assert modules <= names, sorted(modules - names)
