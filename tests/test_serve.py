@@ -433,6 +433,7 @@ class StandInEngine:
     vocab_size = 100
     batch_sizes = (1, 2, 4)
     program_count = 0
+    adapter_names = ()
 
     def __init__(self):
         self.defaults = Decoding(max_length=4)

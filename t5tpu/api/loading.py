@@ -54,6 +54,12 @@ def _is_model_dir(path: str) -> bool:
     return folder.is_dir() and any(folder.glob(f"{paths.STEP_PREFIX}_*"))
 
 
+def checkpoint_path(path: str, step: int | None = None) -> str:
+    """The checkpoint `load(path, step=step)` reads: a MODEL_DIR's newest readable one (or
+    `step`'s), else `path` itself."""
+    return _newest_checkpoint(path, step) if _is_model_dir(path) else path
+
+
 def _t5tpu_description(
     checkpoint: conversion.OpenedCheckpoint, gin_files: list[str]
 ) -> _Description:

@@ -36,7 +36,9 @@ The model: --model (a MODEL_DIR, checkpoint_N, Hugging Face or T5X directory), e
 bound in the gin files (at CHECKPOINT_STEP), else AIP_STORAGE_URI. The gin files give what \
 `t5tpu infer` takes from them: TASK_FEATURE_LENGTHS, NUM_BEAMS, TEMPERATURE, TOP_K and \
 INFER_TRUNCATION as the defaults; a request's parameters override the decoding settings, and \
-its answers are those `t5tpu infer` writes for the same inputs and settings.
+its answers are those `t5tpu infer` writes for the same inputs and settings. Each --adapter \
+NAME=MODEL_DIR (a LoRA run of the served model) is served beside it over the one base in memory: \
+a request with "parameters": {"adapter": "NAME"} runs with it.
 
 Requests that arrive within --max_wait_ms of each other with the same decoding settings are \
 decoded in one batch of up to --max_batch_size rows, padded to a few compiled shapes; a row is \
@@ -52,6 +54,14 @@ def parser() -> ToolParser:
     p = ToolParser(prog=f"t5tpu {NAME}", description=_DESCRIPTION, example=EXAMPLE)
     p.add_gin_flags(gin_file_help="gin file(s)")
     p.add_argument("--model", metavar="PATH", help="the model, when not MODEL_DIR")
+    p.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=MODEL_DIR",
+        help='a LoRA run over the model, chosen by a request\'s "adapter" parameter '
+        "(repeatable; without --model, the model is the first adapter's base)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: all)")
     p.add_argument("--port", type=int, help=f"default: ${PORT_VARIABLE}, else {DEFAULT_PORT}")
     p.add_argument("--max_input_length", type=int, help="default: TASK_FEATURE_LENGTHS's")
@@ -124,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         lengths=(args.max_input_length, args.max_target_length),
         truncation=args.truncation,
         environ=dict(os.environ),
+        adapters=tuple(args.adapter),
     )
     return server.serve(
         sock=server.bind(args.host, args.port),

@@ -193,8 +193,12 @@ class Engine:
         max_target_length: int,
         pinned: Request | None = None,
         smaller_batches: bool = False,
+        param_view: Callable | None = None,
     ):
         self.network = network
+        # Applied to the parameters inside every program (a served LoRA adapter's base rounded
+        # as its run trained on it), so the arrays held stay the ones shared with others.
+        self._param_view = param_view
         self.smaller_batches = smaller_batches
         self.max_input_length = max_input_length
         self.max_target_length = max_target_length
@@ -379,6 +383,8 @@ class Engine:
 
     def _jit(self, fn, in_shardings, out_shardings=None, donate_argnums=()):
         replicated = self._partitioner.replicated()
+        if self._param_view is not None:
+            fn = _viewing(fn, self._param_view)
         return self._partitioner.jit(
             fn,
             in_shardings=(self._param_shardings, *in_shardings),
@@ -419,6 +425,15 @@ class Engine:
             return network.logits(params, batch).astype(jnp.float32)
 
         return self._jit(forward, (self._partitioner.batch_sharding(),) * 2)
+
+
+def _viewing(fn, view):
+    """`fn` called with `view(params)` for its first argument, the parameters."""
+
+    def viewed(params, *args):
+        return fn(view(params), *args)
+
+    return viewed
 
 
 class _SlotBatch:

@@ -3,12 +3,13 @@ batcher and wait for them, answering every failure as {"error": "<one line>"} wi
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
                                                "parameters": {num_beams, max_length,
-                                               temperature, top_k, seed, task}}
+                                               temperature, top_k, seed, task, adapter}}
     POST /v1/score                            {"instances": [{"input": ..., "target": ...}],
-                                               "parameters": {task}}
+                                               "parameters": {task, adapter}}
     POST /v1/<route>                          each route the tasks offer (task_calls.py):
                                                {"instances": [{<its fields>}], "parameters"}
-    GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503
+    GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503;
+                                               {"status", "adapters": [names]} (--adapter)
     GET  /metrics                             Prometheus text format (serve_metrics.py)
 
 docs/SERVING.md has the answers' shapes. Parsing, checking and tokenizing run in Starlette's
@@ -109,6 +110,7 @@ class Service:
             max_instances=self.options.max_instances,
             max_length=engine.max_target_length,
             vocab_size=engine.vocab_size,
+            adapters=engine.adapter_names,
         )
 
     def _encoded(self, texts, *, limit: int, what: str, first: int, warnings: list) -> list:
@@ -143,7 +145,7 @@ class Service:
         encoded = self._encoded(
             texts, limit=engine.max_input_length, what="input", first=0, warnings=warnings
         )
-        rows = _decode_rows(engine, encoded, request.decoding, 0)
+        rows = _decode_rows(engine, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, route)
 
     def prepare_score(self, body: bytes) -> _Prepared:
@@ -157,7 +159,7 @@ class Service:
             for texts, what in ((formatted, "input"), (request.targets, "target"))
         )
         rows = [
-            (Group.for_scoring(engine.input_bucket(a.ids)), ScoreRow(a.ids, b.ids))
+            (Group.for_scoring(engine.input_bucket(a.ids), request.adapter), ScoreRow(a.ids, b.ids))
             for a, b in zip(inputs, targets, strict=True)
         ]
         return _Prepared(rows, warnings, request)
@@ -176,7 +178,7 @@ class Service:
         encoded = self._encoded(
             prompts, limit=engine.max_input_length, what="prompt", first=0, warnings=warnings
         )
-        rows = _decode_rows(engine, encoded, request.decoding, 0)
+        rows = _decode_rows(engine, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, request.route)
 
     # --- the routes ------------------------------------------------------------------------
@@ -202,7 +204,8 @@ class Service:
     async def health(self, request: Request) -> Response:
         if self.engine is None:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": RETRY_AFTER})
-        return JSONResponse({"status": "ready"})
+        names = self.engine.adapter_names
+        return JSONResponse({"status": "ready", **({"adapters": list(names)} if names else {})})
 
     async def metrics_text(self, request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=CONTENT_TYPE)
@@ -225,12 +228,14 @@ class Service:
         return b"".join(chunks)
 
 
-def _decode_rows(engine: ModelWorker, encoded: list, decoding: Decoding, first: int) -> list:
-    """(group, row) pairs of inputs to decode; row i samples from its index first + i."""
+def _decode_rows(
+    engine: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
+) -> list:
+    """(group, row) pairs of inputs to decode; row i samples from its index i."""
     return [
         (
-            Group.for_decoding(decoding, engine.input_bucket(ids.ids)),
-            DecodeRow(ids=ids.ids, index=first + i, seed=decoding.seed),
+            Group.for_decoding(decoding, engine.input_bucket(ids.ids), adapter),
+            DecodeRow(ids=ids.ids, index=i, seed=decoding.seed),
         )
         for i, ids in enumerate(encoded)
     ]

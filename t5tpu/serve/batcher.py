@@ -2,13 +2,13 @@
 
 Requests put rows (one per instance) on a bounded queue and get a future per row. Each row has
 a group: rows that one compiled program can run together (for a model: the same kind of work,
-the same decoding settings, the same padded input length). The worker takes the oldest row's
-group, waits up to `max_wait_s` from that row's arrival for more of it, then runs the group:
-`run_group(group, feed)` takes rows from the group's queue through the feed as it has room for
-them (a continuous batch takes new rows while others are still decoding) and answers each row
-when it is done. A group keeps taking rows until another group's oldest row has waited
-`max_wait_s` or a second (_HOLD_S), whichever is longer, so one busy group cannot starve the
-others.
+the same decoding settings, the same padded input length, the same LoRA adapter). The worker
+takes the oldest row's group, waits up to `max_wait_s` from that row's arrival for more of it,
+then runs the group: `run_group(group, feed)` takes rows from the group's queue through the
+feed as it has room for them (a continuous batch takes new rows while others are still
+decoding) and answers each row when it is done. A group keeps taking rows until another group's
+oldest row has waited `max_wait_s` or a second (_HOLD_S), whichever is longer, so one busy group
+cannot starve the others.
 
 A row whose future was cancelled (its client went away) before it was taken is dropped unrun.
 A `run_group` that raises fails the rows it took and did not answer, and no others. Nothing

@@ -7,7 +7,8 @@ directory or a T5X / Mesh TF checkpoint), MODEL_DIR bound in gin (at CHECKPOINT_
 AIP_STORAGE_URI (where Vertex AI copied the model's artifacts). Lengths come from the flags, else
 TASK_FEATURE_LENGTHS, else t5tpu.load's defaults; the decoding defaults from NUM_BEAMS,
 TEMPERATURE, TOP_K and infer.beam_alpha / infer.random_seed; what to do with long inputs from
-INFER_TRUNCATION.
+INFER_TRUNCATION. LoRA adapters (--adapter) are opened and checked against the model here too
+(serve/adapters.py), so a wrong one is refused before the server listens.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.runners import infer
+from t5tpu.serve import adapters as lora_adapters
 from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.payloads import Decoding
 
@@ -50,6 +52,7 @@ class ModelSetup:
     defaults: Decoding
     beam_alpha: float
     truncation: str
+    adapters: tuple[lora_adapters.AdapterCheckpoint, ...] = ()
 
 
 def _step(checkpoint_step) -> int | None:
@@ -77,15 +80,7 @@ def _path(model: str | None, model_dir, environ: dict) -> str:
     return str(path)
 
 
-def model_setup(
-    *,
-    gin_flags: GinFlags,
-    model: str | None,
-    lengths: tuple[int | None, int | None],
-    truncation: str | None,
-    environ: dict,
-) -> ModelSetup:
-    """The setup the flags, gin files and environment describe, checked; reads no checkpoint."""
+def _parse_gin(gin_flags: GinFlags) -> None:
     if gin_flags.files:
         gin_setup.parse(
             gin_files=list(gin_flags.files),
@@ -94,6 +89,21 @@ def model_setup(
         )
     elif gin_flags.bindings:
         raise UserError("--gin.NAME=VALUE bindings need the --gin_file they bind into")
+
+
+def model_setup(
+    *,
+    gin_flags: GinFlags,
+    model: str | None,
+    lengths: tuple[int | None, int | None],
+    truncation: str | None,
+    environ: dict,
+    adapters: tuple[str, ...] = (),
+) -> ModelSetup:
+    """The setup the flags, gin files and environment describe, checked; reads no parameters
+    (only the adapters' records and the files' fingerprints). With adapters (NAME=PATH) and no
+    model named, the model is the first adapter's base."""
+    _parse_gin(gin_flags)
     bound = runner_settings.bound_settings(infer.infer, runner_settings.InferSettings)
     gin_lengths = (
         pipeline.model_lengths(bound.task_feature_lengths)
@@ -106,6 +116,9 @@ def model_setup(
             ("--max_input_length", "--max_target_length"), lengths, gin_lengths, strict=True
         )
     )
+    opened = lora_adapters.open_adapters(adapters)
+    if opened and not (model or bound.model_dir or environ.get(STORAGE_URI)):
+        model = opened[0].record.base.path  # no model named: the adapters' base
     setup = ModelSetup(
         path=_path(model, bound.model_dir, environ),
         step=None if model else _step(bound.checkpoint_step),
@@ -121,9 +134,14 @@ def model_setup(
         ),
         beam_alpha=float(bound.beam_alpha),
         truncation=truncation or bound.truncation,
+        adapters=opened,
     )
     validators.choice(infer.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
+    if opened:
+        from t5tpu.api import loading
+
+        lora_adapters.check_base(opened, loading.checkpoint_path(setup.path, setup.step))
     return setup
 
 
@@ -158,9 +176,13 @@ def load_engine(
     model.vocabulary  # noqa: B018 - a model without one cannot take text: say so now
     _decoding_settings(setup).check(vocab_size=model.model.config.vocab_size)
     say(f"loaded {model!r}")
+    served = lora_adapters.load_adapters(setup.adapters, base=model, partitioner=partitioner)
+    if served:
+        say(f"loaded the LoRA adapters {', '.join(served.names)} over it")
     return ModelWorker(
         model=model,
         max_batch_size=max_batch_size,
         defaults=setup.defaults,
         beam_alpha=setup.beam_alpha,
+        adapters=served,
     )

@@ -11,7 +11,9 @@ of a few row counts (powers of two up to --max_batch_size) that holds the rows w
 starts. Sampling draws each row from its own key, `fold_in(PRNGKey(seed), index of the row in
 its request)`, the key `t5tpu infer` gives the input at that index: a request decodes as `t5tpu
 infer` of its instances does, whichever requests shared its batch. Programs are kept per
-settings: the server's defaults for good, a bounded number of others by last use.
+settings: the server's defaults for good, a bounded number of others by last use. A group of
+rows with a LoRA adapter runs on the adapters' engine (adapters.py), set to that adapter's
+parameters first.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from collections.abc import Callable
 
 from t5tpu.api.model import T5Model
 from t5tpu.model import decoding
-from t5tpu.model.engine import Encoded, Request, Row
+from t5tpu.model.engine import Encoded, Engine, Request, Row
+from t5tpu.serve.adapters import ServedAdapters
 from t5tpu.serve.batcher import GroupFeed
 from t5tpu.serve.payloads import Decoding
 
@@ -46,23 +49,24 @@ class ScoreRow:
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-    """Rows one program runs together: 'decode' with its settings, or 'score'; and the padded
-    length of their inputs. Rows batch only with their length bucket: a short input padded to a
-    long one's bucket would cost as much encoder time as the long one, and on a CPU the encoder
-    is often most of a request."""
+    """Rows one program runs together: 'decode' with its settings, or 'score'; the padded
+    length of their inputs; the LoRA adapter they run with (None: the base alone). Rows batch
+    only with their length bucket: a short input padded to a long one's bucket would cost as
+    much encoder time as the long one, and on a CPU the encoder is often most of a request."""
 
     kind: str
     length: int
     decoding: Decoding | None = None
+    adapter: str | None = None
 
     @classmethod
-    def for_decoding(cls, settings: Decoding, length: int) -> Group:
+    def for_decoding(cls, settings: Decoding, length: int, adapter: str | None = None) -> Group:
         # The seed only picks row keys: rows of every seed share a program and a batch.
-        return cls("decode", length, dataclasses.replace(settings, seed=0))
+        return cls("decode", length, dataclasses.replace(settings, seed=0), adapter)
 
     @classmethod
-    def for_scoring(cls, length: int) -> Group:
-        return cls("score", length)
+    def for_scoring(cls, length: int, adapter: str | None = None) -> Group:
+        return cls("score", length, adapter=adapter)
 
 
 class _QueuedRows:
@@ -86,9 +90,18 @@ class _QueuedRows:
 
 
 class ModelWorker:
-    """A loaded T5Model's engine, run group by group for the server."""
+    """A loaded T5Model's engine, and its LoRA adapters' if any, run group by group for the
+    server."""
 
-    def __init__(self, *, model: T5Model, max_batch_size: int, defaults: Decoding, beam_alpha=0.6):
+    def __init__(
+        self,
+        *,
+        model: T5Model,
+        max_batch_size: int,
+        defaults: Decoding,
+        beam_alpha=0.6,
+        adapters: ServedAdapters | None = None,
+    ):
         self.vocabulary = model.vocabulary
         self.vocab_size = model.model.config.vocab_size
         self.max_input_length = model.shapes.max_input_length
@@ -98,10 +111,15 @@ class ModelWorker:
         self.engine = model.engine  # the model's parameters, cast once, and its programs
         self.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
         self.batch_sizes = self.engine.slot_counts
+        self.adapters = adapters
+        self.adapter_names = adapters.names if adapters else ()
+        if adapters:
+            adapters.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
 
     @property
     def program_count(self) -> int:
-        return self.engine.program_count
+        adapted = self.adapters.engine.program_count if self.adapters else 0
+        return self.engine.program_count + adapted
 
     def encode(self, text: str, limit: int) -> Encoded:
         return self.engine.encode(text, limit)
@@ -112,22 +130,30 @@ class ModelWorker:
 
     def warm_up(self, *, stopping: Callable[[], bool] = lambda: False) -> int:
         """Compiles the default settings' decoding programs for every shape a batch can take
-        (until `stopping()` says otherwise); returns how many programs are ready."""
-        return self.engine.warm_up(self._request(self.defaults), stopping=stopping)
+        (until `stopping()` says otherwise), the adapters' too; returns how many programs are
+        ready."""
+        count = self.engine.warm_up(self._request(self.defaults), stopping=stopping)
+        if self.adapters:
+            count += self.adapters.engine.warm_up(self._request(self.defaults), stopping=stopping)
+        return count
+
+    def _engine(self, adapter: str | None) -> Engine:
+        return self.engine if adapter is None else self.adapters.engine_for(adapter)
 
     def run_group(self, group: Group, feed: GroupFeed) -> None:
         """The batcher's `run_group`: texts for 'decode' rows, log-likelihoods for 'score',
         each answered as soon as it is ready."""
+        engine = self._engine(group.adapter)
         if group.kind == "score":
-            rows = feed.take(self.engine.batch_size)
+            rows = feed.take(engine.batch_size)
             inputs = [row.item.input_ids for row in rows]
-            scores = self.engine.score(inputs, [row.item.target_ids for row in rows])
+            scores = engine.score(inputs, [row.item.target_ids for row in rows])
             for row, score in zip(rows, scores, strict=True):
                 feed.answer(row, float(score))
             return
-        queued = _QueuedRows(feed, bucket=group.length, first=self.engine.batch_size)
+        queued = _QueuedRows(feed, bucket=group.length, first=engine.batch_size)
         request = self._request(group.decoding)
-        for decoded in self.engine.stream(queued, request, poll_steps=_POLL_STEPS):
+        for decoded in engine.stream(queued, request, poll_steps=_POLL_STEPS):
             feed.answer(decoded.row.tag, self.vocabulary.decode(decoded.ids.tolist()))
 
     def _request(self, wanted: Decoding) -> Request:

@@ -24,6 +24,8 @@ _MAX_SEED = 2**31 - 1
 DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "seed")
 # The parameter naming the task whose route a request uses.
 TASK = "task"
+# The parameter naming the LoRA adapter a request runs with (a server started with --adapter).
+ADAPTER = "adapter"
 _INPUT, _TARGET = Field("input"), Field("target")
 
 
@@ -64,11 +66,16 @@ class Decoding:
 @dataclasses.dataclass(frozen=True)
 class Limits:
     """The bounds a request must keep: instances per request, the longest decode, the vocabulary
-    (top_k's upper bound)."""
+    (top_k's upper bound), and the adapters a request may name (none: no "adapter" parameter)."""
 
     max_instances: int
     max_length: int
     vocab_size: int
+    adapters: tuple[str, ...] = ()
+
+    def with_adapter(self, allowed: tuple[str, ...]) -> tuple[str, ...]:
+        """The parameters `allowed`, and "adapter" where the server has adapters."""
+        return (*allowed, ADAPTER) if self.adapters else allowed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,6 +88,7 @@ class PredictRequest:
     objects: bool
     decoding: Decoding
     task: str | None = None
+    adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,6 +98,7 @@ class ScoreRequest:
     inputs: tuple[str, ...]
     targets: tuple[str, ...]
     task: str | None = None
+    adapter: str | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +109,7 @@ class TaskRequest:
     route: Route
     instances: tuple[dict, ...]
     decoding: Decoding
+    adapter: str | None = None
 
 
 def parse_json(body: bytes) -> dict:
@@ -239,6 +249,17 @@ def _task(parameters: dict) -> str | None:
     return task
 
 
+def _adapter(parameters: dict, limits: Limits) -> str | None:
+    """The adapter the "adapter" parameter names (None: the base alone), one of the server's."""
+    adapter = parameters.pop(ADAPTER, None)
+    if adapter is not None and adapter not in limits.adapters:
+        raise PayloadError(
+            f"parameter {ADAPTER}={json.dumps(adapter)} is not an adapter this server has; "
+            f"choose one of {', '.join(limits.adapters)}, or leave it out for the base model"
+        )
+    return adapter
+
+
 def predict_request(payload: dict, *, defaults: Decoding, limits: Limits) -> PredictRequest:
     """/v1/predict's request: strings, or {"input": ...} objects (all of one kind)."""
     instances = _instances(payload, limits)
@@ -247,21 +268,26 @@ def predict_request(payload: dict, *, defaults: Decoding, limits: Limits) -> Pre
         texts = [_fields(x, f"instances[{i}]", (_INPUT,))["input"] for i, x in enumerate(instances)]
     else:
         texts = [_text(x, f"instances[{i}]") for i, x in enumerate(instances)]
-    parameters = dict(_parameters(payload, (*DECODING_PARAMETERS, TASK)))
-    task = _task(parameters)
+    parameters = dict(_parameters(payload, limits.with_adapter((*DECODING_PARAMETERS, TASK))))
+    task, adapter = _task(parameters), _adapter(parameters, limits)
     decoding = _decoding(parameters, defaults, limits)
-    return PredictRequest(texts=tuple(texts), objects=objects, decoding=decoding, task=task)
+    return PredictRequest(
+        texts=tuple(texts), objects=objects, decoding=decoding, task=task, adapter=adapter
+    )
 
 
 def score_request(payload: dict, *, limits: Limits) -> ScoreRequest:
-    """/v1/score's request: {"input": ..., "target": ...} objects; "task" the only parameter."""
+    """/v1/score's request: {"input": ..., "target": ...} objects; "task" (and "adapter") the
+    only parameters."""
     instances = _instances(payload, limits)
-    task = _task(dict(_parameters(payload, (TASK,))))
+    parameters = dict(_parameters(payload, limits.with_adapter((TASK,))))
+    task, adapter = _task(parameters), _adapter(parameters, limits)
     pairs = [_fields(x, f"instances[{i}]", (_INPUT, _TARGET)) for i, x in enumerate(instances)]
     return ScoreRequest(
         inputs=tuple(pair["input"] for pair in pairs),
         targets=tuple(pair["target"] for pair in pairs),
         task=task,
+        adapter=adapter,
     )
 
 
@@ -293,11 +319,12 @@ def task_request(
     allowed = () if decodes_as_declared else DECODING_PARAMETERS
     if len(offers) > 1:
         allowed = (*allowed, TASK)
-    parameters = dict(_parameters(payload, allowed))
+    parameters = dict(_parameters(payload, limits.with_adapter(allowed)))
     route = choose(offers, _task(parameters), f"/v1/{offers[0].name}")
+    adapter = _adapter(parameters, limits)
     values = tuple(_fields(x, f"instances[{i}]", route.fields) for i, x in enumerate(instances))
     if route.decoding is not None:
         decoding = dataclasses.replace(defaults, **route.decoding)
     else:
         decoding = _decoding(parameters, defaults, limits)
-    return TaskRequest(route=route, instances=values, decoding=decoding)
+    return TaskRequest(route=route, instances=values, decoding=decoding, adapter=adapter)

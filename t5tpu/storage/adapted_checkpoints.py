@@ -79,6 +79,16 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
         )
 
 
+def restore_adapters(mngr, step: int, abstract_params, shardings, record: AdapterRecord):
+    """The adapters alone of adapter checkpoint `step` (float32, placed like the kernels they
+    adapt), checked against the ones the model's kernels take (`abstract_params`)."""
+    check_geometry(mngr, step, abstract_params)
+    targets = _adapter_targets(abstract_params, shardings, record)
+    return checkpoints.restore_params(
+        mngr, step, targets, jax.tree_util.tree_map(lambda t: t.sharding, targets)
+    )
+
+
 def restore_params(
     mngr, step: int, abstract_params, shardings, *, load_base: Callable | None = None
 ):
@@ -92,11 +102,7 @@ def restore_params(
     if load_base is None:
         raise UserError(f"{where} holds LoRA adapters; load it with its base (t5tpu.load)")
     record.base.check(where)
-    check_geometry(mngr, step, abstract_params)
-    targets = _adapter_targets(abstract_params, shardings, record)
-    adapters = checkpoints.restore_params(
-        mngr, step, targets, jax.tree_util.tree_map(lambda t: t.sharding, targets)
-    )
+    adapters = restore_adapters(mngr, step, abstract_params, shardings, record)
     base = load_base(record.base.path, abstract_params, shardings)
 
     def merged(base, adapters):
