@@ -39,7 +39,7 @@ from t5tpu.formats import (
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import layer_stacking, lora
+from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
 from t5tpu.storage import (
     adapted_checkpoints,
@@ -465,9 +465,9 @@ LORA_OUTPUTS = ("merged", "adapters")
 def _export_adapters(mngr, step: int, record, config: T5Config, output_dir: str) -> None:
     """A LoRA checkpoint's adapters alone, in PEFT's format."""
     abstract = checkpoint_reader.abstract_params(config)
-    targets = lora.adapter_shapes(abstract, _single_device(abstract), record.settings)
-    shardings = jax.tree_util.tree_map(lambda t: t.sharding, targets)
-    adapters = checkpoints.restore_params(mngr, step, targets, shardings)
+    adapters = adapted_checkpoints.restore_adapters(
+        mngr, step, abstract, _single_device(abstract), record
+    )
     with _written_output(output_dir) as folder:
         peft_format.export(jax.device_get(adapters), record.settings, config, folder)
     print(
