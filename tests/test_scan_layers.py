@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference_decoding
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 from tiny import tiny_config
@@ -190,7 +191,7 @@ def test_scanned_greedy_and_beam_decoding_give_the_same_tokens(params):
 
     def decode(config, p):
         def both(p):
-            greedy = decoding.decode(Transformer(config), p, enc, 7, eos_id=1)
+            greedy = reference_decoding.decode(Transformer(config), p, enc, 7, eos_id=1)
             beams = decoding.beam_search(Transformer(config), p, enc, 7, eos_id=1, num_beams=3)
             return greedy, beams
 

@@ -38,9 +38,6 @@ def cross_entropy(
     return nll + z_term, z_term
 
 
-GREEDY = decoding.DecodingSettings()
-
-
 @gin.configurable
 class EncoderDecoderModel:
     """A T5 network with its vocabulary, loss settings and decoding."""
@@ -123,34 +120,3 @@ class EncoderDecoderModel:
         log_p = jax.nn.log_softmax(logits)
         token_ll = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(token_ll * (targets > 0), axis=-1)
-
-    def predict(
-        self,
-        params,
-        batch,
-        max_decode_length: int,
-        rng=None,
-        settings: decoding.DecodingSettings = GREEDY,
-    ) -> Array:
-        """[batch, max_decode_length] token ids, each row ending at its EOS: greedy, sampled
-        (`rng` then required) or beam search, as `settings` say."""
-        if settings.num_beams > 1:
-            return decoding.beam_search(
-                self.module,
-                params,
-                batch["encoder_input_tokens"],
-                max_decode_length,
-                self.vocabulary.eos_id,
-                settings.num_beams,
-                settings.beam_alpha,
-            )[0]
-        return decoding.decode(
-            self.module,
-            params,
-            batch["encoder_input_tokens"],
-            max_decode_length,
-            self.vocabulary.eos_id,
-            rng,
-            settings.temperature,
-            settings.top_k,
-        )
