@@ -148,13 +148,25 @@ def test_each_adapter_answers_as_its_run_and_no_adapter_as_the_base(served, runs
         assert np.abs(scores[one] - scores[other]).max() > 1e-3, (one, other, scores)
 
 
+def test_the_base_and_every_adapter_share_one_set_of_programs(served):
+    port, worker = served
+    counts = []
+    for name in (None, "early", "late", None):
+        body = {"instances": INPUTS, "parameters": _parameters(name)}
+        assert _request(port, "POST", "/v1/predict", body)[0] == 200
+        counts.append(worker.program_count)
+    # The first request compiled what its rows needed; the others, of other adapters, nothing.
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+    assert worker.engine is worker.adapters.engine
+
+
 def test_the_base_is_held_once_every_adapter_referencing_its_arrays(served):
     _, worker = served
-    base = jax.tree_util.tree_leaves(worker.engine.params)
+    base = jax.tree_util.tree_leaves(lora.split(worker.adapters.params[None]["params"])[0])
     held = {id(x): x.nbytes for x in base}
     adapter_bytes = 0
-    for name in ("early", "late"):
-        own_base, adapters = lora.split(worker.adapters.params[name])
+    for name in (None, "early", "late"):  # the base runs as an adapter of zeros
+        own_base, adapters = lora.split(worker.adapters.params[name]["params"])
         leaves = jax.tree_util.tree_leaves(own_base)
         assert len(leaves) == len(base) and all(a is b for a, b in zip(leaves, base, strict=True))
         adapter_leaves = jax.tree_util.tree_leaves(adapters)

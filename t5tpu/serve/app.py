@@ -96,6 +96,7 @@ class Service:
 
     def ready(self, engine: ModelWorker) -> None:
         self.engine = engine
+        self.metrics.watch_programs(lambda: engine.program_count)
         self.metrics.ready.set(1)
 
     # --- checking and tokenizing (in the thread pool) ----------------------------------------

@@ -81,7 +81,10 @@ class _Worker:
         start = time.perf_counter()
         engine = self.load()
         if self.warm_up:
-            say(f"compiling the decoding programs for {len(engine.batch_sizes)} batch sizes")
+            say(
+                f"compiling {engine.programs_needed} decoding programs "
+                f"({len(engine.batch_sizes)} batch sizes)"
+            )
             programs = engine.warm_up(stopping=self.stopping.is_set)
             if not self.stopping.is_set():
                 self.service.tasks.warm_up()
