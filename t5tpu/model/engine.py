@@ -21,7 +21,10 @@ Everything between rows of token ids and compiled programs lives here, once:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -34,6 +37,8 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
 SHORTEST_BUCKET = 16
+# Threads that compile a warm-up's programs at once (each XLA compile keeps about one core busy).
+_COMPILE_THREADS = 4
 # Settings other than the pinned ones whose programs are kept (each has one program per shape).
 _KEPT_SETTINGS = 8
 
@@ -116,16 +121,22 @@ class _Programs:
     def __init__(self, *, pinned: tuple | None):
         self._pinned = pinned
         self._families: collections.OrderedDict[tuple, dict] = collections.OrderedDict()
+        self._lock = threading.Lock()  # warm-up builds programs in several threads
 
     def get(self, family: tuple, shape: tuple, build):
-        programs = self._families.setdefault(family, {})
-        self._families.move_to_end(family)
-        if shape not in programs:
-            programs[shape] = build()
-        others = [f for f in self._families if f != self._pinned]
-        for stale in others[: max(0, len(others) - _KEPT_SETTINGS)]:
-            del self._families[stale]
-        return programs[shape]
+        with self._lock:
+            if (found := self._families.get(family, {}).get(shape)) is not None:
+                self._families.move_to_end(family)
+                return found
+        built = build()
+        with self._lock:
+            programs = self._families.setdefault(family, {})
+            self._families.move_to_end(family)
+            programs.setdefault(shape, built)
+            others = [f for f in self._families if f != self._pinned]
+            for stale in others[: max(0, len(others) - _KEPT_SETTINGS)]:
+                del self._families[stale]
+            return programs[shape]
 
     def __len__(self) -> int:
         return sum(len(programs) for programs in self._families.values())
@@ -346,8 +357,13 @@ class Engine:
     ) -> int:
         """Compiles `request`'s decoding programs for every padded input length and each row
         count in `counts` (default: all), until `stopping()`; returns how many programs exist.
-        Each runs once on padding (jax compiles a program at its first call)."""
-        for count in counts or self.slot_counts:
+        Continuous batches' programs are compiled in parallel first (compiling is most of the
+        time, and XLA compiles one program on one core), then each runs once on padding, so
+        that a call finds it in every cache jax keeps."""
+        counts = counts or self.slot_counts
+        if request.settings.num_beams == 1:
+            self._compile_ahead(request, counts, stopping)
+        for count in counts:
             for bucket in input_buckets(self.max_input_length):
                 if stopping():
                     return self.program_count
@@ -359,6 +375,22 @@ class Engine:
                 batch.warm_up()
                 batch.close()
         return self.program_count
+
+    def _compile_ahead(self, request: Request, counts, stopping: Callable[[], bool]) -> None:
+        shapes = [
+            slot_batch.Shape(count, bucket, request.max_length)
+            for count in counts
+            for bucket in input_buckets(self.max_input_length)
+        ]
+
+        def compile_shape(shape):
+            if not stopping():
+                programs = self.programs_of(request, shape)
+                slot_batch.compile_ahead(engine=self, programs=programs, shape=shape)
+
+        workers = max(1, min(_COMPILE_THREADS, os.cpu_count() or 1, len(shapes)))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(compile_shape, shapes))
 
     # --- scoring and logits -----------------------------------------------------------------
 

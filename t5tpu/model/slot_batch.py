@@ -41,45 +41,51 @@ class Shape:
 
 class StatePool:
     """One idle slot state per shape, handed to the next batch of that shape; a batch that was
-    abandoned with rows in flight gives nothing back (its state is dropped)."""
+    abandoned with rows in flight gives nothing back (its state is dropped). Each shape's
+    abstract state (shapes, dtypes, shardings) is worked out once: tracing the network for it
+    costs about as much as tracing a program."""
 
     def __init__(self, *, network, partitioner, param_view=None):
         self._network, self._partitioner = network, partitioner
         self._view = param_view or (lambda params: params)
         self._idle: dict[Shape, decoding.Slots] = {}
-        self._shardings: dict[Shape, decoding.Slots] = {}
+        self._abstract: dict[Shape, decoding.Slots] = {}
 
-    def shardings(self, params, shape: Shape) -> decoding.Slots:
-        if shape not in self._shardings:
-            shapes = self._shapes(params, shape)
+    def abstract(self, params, shape: Shape) -> decoding.Slots:
+        """The state of `shape` as jax.ShapeDtypeStructs with their shardings."""
+        if shape not in self._abstract:
+            # The network reads the parameters through the engine's view (a LoRA tree unwrapped).
+            viewed = jax.eval_shape(self._view, params)
+            module = self._network.module
+            shapes = decoding.slot_shapes(
+                module, viewed, shape.count, shape.bucket, shape.max_length
+            )
             rules, sizes = self._partitioner.rules, self._partitioner.mesh_sizes
 
-            def sharding(axes, leaf):
-                return self._partitioner.sharding(spec_for_shape(axes, leaf.shape, rules, sizes))
+            def placed(axes, leaf):
+                spec = spec_for_shape(axes, leaf.shape, rules, sizes)
+                sharding = self._partitioner.sharding(spec)
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
 
-            self._shardings[shape] = jax.tree_util.tree_map(
-                sharding, decoding.slot_axes(shapes), shapes, is_leaf=_is_axes
+            self._abstract[shape] = jax.tree_util.tree_map(
+                placed, decoding.slot_axes(shapes), shapes, is_leaf=_is_axes
             )
-        return self._shardings[shape]
+        return self._abstract[shape]
+
+    def shardings(self, params, shape: Shape) -> decoding.Slots:
+        return jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(params, shape))
 
     def take(self, params, shape: Shape) -> decoding.Slots:
         if shape in self._idle:
             return self._idle.pop(shape)
-        shapes = self._shapes(params, shape)
 
-        def empty(leaf, sharding):
+        def empty(leaf):
             host = np.zeros(leaf.shape, leaf.dtype)
             if leaf.dtype == np.bool_:
                 host[...] = True  # `done`: every slot free
-            return jax.make_array_from_process_local_data(sharding, host, leaf.shape)
+            return jax.make_array_from_process_local_data(leaf.sharding, host, leaf.shape)
 
-        return jax.tree_util.tree_map(empty, shapes, self.shardings(params, shape))
-
-    def _shapes(self, params, shape: Shape) -> decoding.Slots:
-        # The network reads the parameters through the engine's view (a LoRA tree unwrapped).
-        viewed = jax.eval_shape(self._view, params)
-        module = self._network.module
-        return decoding.slot_shapes(module, viewed, shape.count, shape.bucket, shape.max_length)
+        return jax.tree_util.tree_map(empty, self.abstract(params, shape))
 
     def give_back(self, shape: Shape, state: decoding.Slots) -> None:
         self._idle[shape] = state
@@ -98,6 +104,24 @@ class Programs:
 
     insert: object
     segment: object
+
+
+def compile_ahead(*, engine, programs: Programs, shape: Shape) -> None:
+    """Compiles both programs for their arguments' shapes without running them (a later call
+    finds them in jax's caches): warm-up compiles shapes in parallel this way."""
+    params = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), engine.params
+    )
+    state = engine.states.abstract(engine.params, shape)
+    replicated = engine.partitioner.replicated()
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    size = insert_size(shape.count)
+    rows = (arg((size, shape.bucket), np.int32), arg((size,), np.int32), arg((size, 2), np.uint32))
+    programs.insert.lower(params, state, *rows).compile()
+    programs.segment.lower(params, state, arg((), np.int32), arg((), np.int32)).compile()
 
 
 def build_insert(*, engine, request, shape: Shape):
