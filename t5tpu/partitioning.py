@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -209,6 +210,28 @@ def opt_state_specs(abstract_opt_state, abstract_params, specs):
     return jax.tree_util.tree_map_with_path(spec_of, abstract_opt_state)
 
 
+# The platform the program being traced now is for, where the tracer knows it (Partitioner.jit).
+_TRACED_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "traced_platform", default=None
+)
+
+
+@contextlib.contextmanager
+def tracing_for(platform: str):
+    """Traces inside are for `platform` ('cpu', 'tpu', 'cuda', ...)."""
+    token = _TRACED_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TRACED_PLATFORM.reset(token)
+
+
+def traced_platform() -> str:
+    """The platform the program traced now runs on: the one `tracing_for` names, else jax's
+    default backend (where a plain jax.jit runs)."""
+    return _TRACED_PLATFORM.get() or jax.default_backend()
+
+
 @gin.configurable
 class Partitioner:
     """Mesh, logical axis rules and the shardings they give parameters, state and batches."""
@@ -277,10 +300,13 @@ class Partitioner:
     def activation_context(self):
         """Context in which `nn.with_logical_constraint` inside the model takes effect: flax
         applies constraints only under a mesh, and jax.set_mesh is refused inside jit, so the
-        abstract mesh is used (valid while tracing)."""
+        abstract mesh is used (valid while tracing). The model's dots take the shapes of the
+        mesh's platform (model/precision.py): the devices compiled for, not jax's default
+        backend (libtpu's compile-only TPU devices are compiled for from a CPU process)."""
         stack = contextlib.ExitStack()
         stack.enter_context(jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh))
         stack.enter_context(nn.logical_axis_rules(self.rules))
+        stack.enter_context(tracing_for(self.mesh.devices.flat[0].platform))
         return stack
 
     def jit(self, fn, in_shardings, out_shardings=None, donate_argnums=()):

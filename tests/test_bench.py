@@ -34,11 +34,55 @@ def by_workload(results, impl=workload_names.OURS):
     return {r["workload"]: r for r in results if r.get("impl", impl) == impl}
 
 
-def test_every_workload_reports_against_hf(capfd, tmp_path):
+def engine_calls(monkeypatch) -> list:
+    """Where Engine.generate and Engine.score calls are recorded: (kind, request, rows, lengths
+    of what came back (generate) or of the targets (score))."""
+    from t5tpu.model import engine
+
+    calls = []
+    generate, score = engine.Engine.generate, engine.Engine.score
+
+    def counted_generate(self, rows, request, **kwargs):
+        out = generate(self, rows, request, **kwargs)
+        calls.append(("generate", request, len(rows), {len(ids) for ids in out}))
+        return out
+
+    def counted_score(self, inputs, targets):
+        calls.append(("score", None, len(inputs), {len(t) for t in targets}))
+        return score(self, inputs, targets)
+
+    monkeypatch.setattr(engine.Engine, "generate", counted_generate)
+    monkeypatch.setattr(engine.Engine, "score", counted_score)
+    return calls
+
+
+def check_engine_calls(calls: list) -> None:
+    """score, greedy, sampling and beam ran Engine.score and Engine.generate (what infer, eval,
+    the Python API and serve run) with the workloads' settings on the bench's 2 rows: the decode
+    of --decode_length tokens (every row that long: no id ends it) and its prefill, a decode of
+    one token; each first called once (its compiles), then once per timed repetition."""
+    from t5tpu.model.decoding import DecodingSettings
+
+    greedy = DecodingSettings()
+    sampling = dataclasses.replace(greedy, temperature=1.0)
+    beam = dataclasses.replace(greedy, num_beams=4)
+    requests = [(c[1].settings, c[1].max_length) for c in calls if c[0] == "generate"]
+    assert sorted(map(str, requests)) == sorted(
+        str((s, n)) for s in (greedy, sampling, beam) for n in (6, 6, 1, 1)
+    )
+    for kind, request, rows, lengths in calls:
+        assert rows == 2
+        assert lengths == ({8} if kind == "score" else {request.max_length})
+    assert [c[0] for c in calls].count("score") == 2
+
+
+def test_every_workload_reports_against_hf(capfd, tmp_path, monkeypatch):
     output = tmp_path / "bench.jsonl"
     flags = ["--json", "--compare_hf", "--pipeline_batches=3", f"--output={output}"]
+    calls = engine_calls(monkeypatch)
     summary = [json.loads(line) for line in run_bench(capfd, *flags)]
     results = [json.loads(line) for line in output.read_text().splitlines()]
+    check_engine_calls(calls)
 
     ours, hf = by_workload(results), by_workload(results, workload_names.HF)
     assert ours["machine"]["backend"] == jax.default_backend()
@@ -54,7 +98,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
             assert len(limit["probes"]) == 3 and 0 < limit["min"] <= limit["value"] <= limit["max"]
     assert ours["train"]["mfu"] == ours["train"]["fraction_of_limit"]
     assert ours["train"]["compile_seconds"] > 0
-    for workload, beams in (("greedy", 1), ("beam", 4)):
+    for workload, beams in (("greedy", 1), ("sampling", 1), ("beam", 4)):
         for impl in (ours, hf):
             assert impl[workload]["num_beams"] == beams
             assert impl[workload]["new_tokens_per_s"] == pytest.approx(
@@ -65,7 +109,7 @@ def test_every_workload_reports_against_hf(capfd, tmp_path):
 
     both = f"{workload_names.OURS}/{workload_names.HF}"
     ratios = {r["workload"]: r for r in results if r.get("impl") == both}
-    assert set(ratios) == {"train", "score", "greedy", "beam"}
+    assert set(ratios) == {"train", "score", "greedy", "sampling", "beam"}
     assert ratios["greedy"]["ratio"] == pytest.approx(
         ours["greedy"]["new_tokens_per_s"] / hf["greedy"]["new_tokens_per_s"]
     )
@@ -81,7 +125,7 @@ def check_summary(summary, ours):
     for line in summary:
         assert line["tokens_per_s"] > 0 and line["step_ms"] > 0 and line["limit"]
     lines = {line["workload"]: line for line in summary}
-    for workload in ("train", "score", "greedy", "beam"):
+    for workload in ("train", "score", "greedy", "sampling", "beam"):
         line = lines[workload]
         assert line["fraction_of_limit"] == ours[workload]["fraction_of_limit"] > 0
         assert len(ours[workload]["limit_probes"]) == 1  # one after each of its 1 repetitions
@@ -93,9 +137,9 @@ def check_summary(summary, ours):
     assert "float32 matmul" in lines["score"]["limit"]  # the tiny model's dtype
     beam = lines["beam"]
     assert beam["limit"].startswith("memory floor") and beam["num_beams"] == 4
-    # A decoding step: the decode less its prefill (when the prefill is shorter: not always on
-    # a tiny model, one repetition), over its 6 steps.
-    assert 0 < beam["step_ms"] * 6 <= ours["beam"]["seconds_per_batch"] * 1e3
+    # A decoding step: the decode less its prefill (a decode of one token; when the prefill is
+    # shorter: not always on a tiny model, one repetition), over the other 5 steps.
+    assert 0 < beam["step_ms"] * 5 <= ours["beam"]["seconds_per_batch"] * 1e3
     assert beam["fraction_of_limit"] == pytest.approx(beam["memory_floor_ms"] / beam["step_ms"])
     assert lines["pipeline"]["fraction_of_limit"] is None and "hf_ratio" not in lines["pipeline"]
 

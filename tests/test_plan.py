@@ -19,12 +19,15 @@ from fake_devices import run_script_on_eight_devices
 from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
+from t5tpu.bench import workloads as bench_workloads
+from t5tpu.cli import bench
 from t5tpu.errors import UserError
-from t5tpu.planning import knobs, memory_plan, placements
+from t5tpu.planning import knobs, memory_plan, placements, roofline
 from t5tpu.runners import plan as plan_runner
 from t5tpu.training import optim
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+T5_10_SMALL = "configs/models/t5_1_0/small.gin"  # qp_is_duplicate_small_v2-8's model
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,6 +334,51 @@ def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
     state = sum(_mib(part, out) for part in ("parameters", "optimizer state", "batch"))
     assert arguments == pytest.approx(state, rel=0.01)
     assert f"fits: peak {compiled / 1024:.2f} GiB of 8 GiB HBM per device (XLA's, compiled)" in out
+    # The roofline of that compiled step on a v2's cores (22.5 TFLOP/s, 350 GB/s each): XLA's
+    # FLOPs near the analytic count (3 forward passes, a core's 32 of the 256 rows).
+    found = re.search(
+        r"roofline \(an ESTIMATE from XLA's cost analysis of the compiled step, not measured\): "
+        r"([\d.]+) TFLOP and ([\d.]+) GB per device a step\n    at v2's 22.5 TFLOP/s bf16 peak "
+        r"and 350 GB/s HBM per device: at least ([\d.]+) ms a step \((compute|memory)-bound\), "
+        r"at most ([\d,]+) examples/s",
+        out,
+    )
+    assert found, out
+    tflop, gb, ms = (float(found.group(i)) for i in (1, 2, 3))
+    assert ms == pytest.approx(max(tflop / 22.5, gb / 350) * 1e3, abs=0.06)
+    assert float(found.group(5).replace(",", "")) == pytest.approx(256 / ms * 1e3, rel=0.01)
+    config = bench_workloads.build_model(bench.parse_args([f"--gin_file={T5_10_SMALL}"])).config
+    analytic = 3 * bench_workloads.forward_flops(config, 256, 128, 4) / 8
+    assert tflop * 1e12 == pytest.approx(analytic, rel=0.1)
+
+
+def test_roofline_is_the_longer_floor_on_the_chips_table():
+    """Per device: a v2 core has half a chip's 45 TFLOP/s and 700 GB/s, a v4 device (megacore)
+    the chip's; a step takes at least the longer of its compute and memory times. A scanned or
+    microbatched step (XLA counts a loop's body once) is scaled up to the analytic FLOPs."""
+    v2, v4 = roofline.chip_of("v2:2x2"), roofline.chip_of("v4:2x2x1")
+    assert (v2.device_flops, v2.device_bandwidth) == (22.5e12, 350e9)
+    assert (v4.device_flops, v4.device_bandwidth) == (275e12, 1200e9)
+    assert roofline.chip_of("cpu") is None and roofline.chip_of(None) is None
+    step = roofline.Roofline(flops=2.25e12, bytes_accessed=7e9, chip=v2, batch_size=64)
+    assert (step.compute_seconds, step.memory_seconds) == (0.1, 0.02)
+    assert step.bound == "compute" and step.examples_per_s == pytest.approx(640)
+    memory = roofline.Roofline(flops=2.75e12, bytes_accessed=24e9, chip=v4, batch_size=8)
+    assert memory.bound == "memory" and memory.step_seconds == pytest.approx(0.02)
+    scanned = roofline.of_train_step(
+        flops=1e12, bytes_accessed=1e9, analytic_flops=4e12, loops=True, chip=v4, batch_size=8
+    )
+    assert (scanned.flops, scanned.bytes_accessed, scanned.scaled) == (4e12, 4e9, 4.0)
+    unrolled = roofline.of_train_step(
+        flops=1e12, bytes_accessed=1e9, analytic_flops=4e12, loops=False, chip=v4, batch_size=8
+    )
+    assert unrolled.scaled == 1.0
+    lines = roofline.describe(scanned, "v4")
+    assert "ESTIMATE" in lines[0] and "scaled 4.00x to the analytic FLOPs" in lines[0]
+    assert lines[1] == (
+        "    at v4's 275 TFLOP/s bf16 peak and 1200 GB/s HBM per device: at least 14.5 ms a "
+        "step (compute-bound), at most 550 examples/s"
+    )
 
 
 @pytest.mark.slow

@@ -26,7 +26,7 @@ import seqio
 from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
 from tiny import tiny_config
 
-from t5tpu import package_files
+from t5tpu import package_files, partitioning
 from t5tpu.model import decoding, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request
@@ -70,6 +70,28 @@ def test_xla_cpu_converts_a_dot_it_cannot_run_in_bf16():
     assert_all_bf16(compiled_dots(lambda x, w: precision.contract("mk,kn->mn", x[:1], w), x, w))
     got = precision.contract("mk,mn->kn", x, g)
     np.testing.assert_array_equal(got, np.full((32, 48), 64.0, np.float32))
+
+
+def test_cpu_shapes_only_where_the_program_runs_on_cpu():
+    """Traced for TPU or GPU (Partitioner.jit says so from its mesh's devices), a one-row dot
+    is the plain bf16 dot with float32 accumulation: no duplicated row; for CPU (here jax's
+    default backend) it takes XLA:CPU's two rows. tests/test_tpu_programs.py checks whole
+    programs compiled for TPU."""
+    x, w = jnp.ones((1, 32), BF16), jnp.ones((32, 48), BF16)
+
+    def lowered():
+        fn = lambda x, w: precision.einsum("mk,kn->mn", x, w, BF16, jnp.float32)
+        return jax.jit(fn).lower(x, w).as_text()
+
+    assert precision.cpu_shapes() and "tensor<2x32xbf16>" in lowered()
+    for platform in ("tpu", "cuda"):
+        with partitioning.tracing_for(platform):
+            assert not precision.cpu_shapes()
+            text = lowered()
+        assert "tensor<2x32xbf16>" not in text
+        assert "(tensor<1x32xbf16>, tensor<32x48xbf16>) -> tensor<1x48xf32>" in text
+    with Partitioner().activation_context():
+        assert precision.cpu_shapes()
 
 
 @pytest.mark.parametrize("rows", [1, 8, 48])

@@ -83,15 +83,18 @@ def hf_score(model, args, batch) -> Workload:
     return Workload(score, report)
 
 
-def hf_decode(model, args, inputs: np.ndarray, num_beams: int) -> Workload:
-    """generate() with its KV cache; min_new_tokens keeps EOS from ending rows early."""
+def hf_decode(model, args, inputs: np.ndarray, settings) -> Workload:
+    """generate() with its KV cache and the same decoding settings (decoding.DecodingSettings);
+    min_new_tokens keeps EOS from ending rows early."""
     import torch
 
     ids = torch.as_tensor(inputs, dtype=torch.long)
-    length = args.decode_length
-    beam_options = {"num_beams": num_beams}
+    length, num_beams = args.decode_length, settings.num_beams
+    beam_options = {"num_beams": num_beams, "do_sample": settings.samples}
     if num_beams > 1:
-        beam_options["length_penalty"] = args.beam_alpha
+        beam_options["length_penalty"] = settings.beam_alpha
+    if settings.samples:  # top_k 0 is no top-k in both (HF's default would be 50)
+        beam_options |= {"temperature": settings.temperature, "top_k": settings.top_k}
 
     @torch.inference_mode()
     def generate():
@@ -101,7 +104,6 @@ def hf_decode(model, args, inputs: np.ndarray, num_beams: int) -> Workload:
             attention_mask=ids > 0,
             max_new_tokens=length,
             min_new_tokens=length,
-            do_sample=False,
             use_cache=True,
             **beam_options,
         )

@@ -2,7 +2,7 @@
 of their own: the command (light, imported before parsing) and the measuring modules (which
 load jax) both use them, and the measuring modules must not import the command."""
 
-WORKLOADS = ("train", "score", "greedy", "beam", "pipeline")
+WORKLOADS = ("train", "score", "greedy", "sampling", "beam", "pipeline")
 HF = "hf_torch"
 OURS = "t5tpu"
 FLOAT32 = "t5tpu_float32"  # --compare_float32: the same model in float32

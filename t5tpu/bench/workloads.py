@@ -11,7 +11,6 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from t5tpu.bench import hf
@@ -32,12 +31,20 @@ from t5tpu.bench.workload_names import FLOAT32, HF, OURS
 from t5tpu.errors import UserError
 
 
+@dataclasses.dataclass(frozen=True)
+class IdsOnly:
+    """The benchmark's vocabulary: ids only (no text is read or written), `vocab_size` of them.
+    seqio's PassThroughVocabulary would do, but seqio loads TensorFlow, which an accelerator
+    machine need not have (scripts/accelerator_check.sh runs the benchmark without it)."""
+
+    vocab_size: int
+    eos_id: int = 1
+
+
 def build_model(args):
     """The gin-configured EncoderDecoderModel with a stand-in vocabulary (ids only, EOS 1). The
     model files' vocabulary (a gs:// file for T5 and mT5) is never read: the benchmark runs
     offline."""
-    import seqio
-
     from t5tpu.config import gin_setup
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.model.network import T5Config
@@ -57,10 +64,9 @@ def build_model(args):
         config = T5Config()
     except ValueError as e:
         raise UserError(f"bad gin config for the benchmark: {str(e).splitlines()[0]}") from None
-    vocabulary = seqio.PassThroughVocabulary(config.vocab_size, eos_id=1)
     # Positionally: gin evaluates every bound keyword argument, the callers' too, and would
     # load the model file's vocabulary before this one replaced it.
-    return EncoderDecoderModel(config, vocabulary)
+    return EncoderDecoderModel(config, IdsOnly(config.vocab_size))
 
 
 def random_batch(
@@ -175,11 +181,42 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
     return Workload(run, report, probes=(probes[peak], dense))
 
 
+def _engine(model, args, batch_size: int, target_length: int):
+    """The engine `t5tpu infer` and serve decode and score with, over the model with random
+    weights, for batches of `batch_size` rows of args.input_length ids."""
+    from t5tpu.model import engine
+    from t5tpu.partitioning import Partitioner
+    from t5tpu.training import trainer
+
+    partitioner = Partitioner()
+    lengths = (args.input_length, target_length)
+    _, shardings = trainer.abstract_params(model, partitioner, *lengths)
+    return engine.Engine(
+        network=model,
+        params=_random_params(model, args),
+        param_shardings=shardings,
+        partitioner=partitioner,
+        batch_size=batch_size,
+        max_input_length=args.input_length,
+        max_target_length=target_length,
+    )
+
+
+def _first_call(fn) -> tuple[float, object]:
+    """(seconds, result) of `fn`'s first call: its programs compiled, not timed again."""
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn())
+    return time.perf_counter() - start, out
+
+
 def bench_score(model, args, batch, probes: dict) -> Workload:
-    params = _inference_params(model, args)
+    """Engine.score on the batch's rows, as `t5tpu eval` and the Python API score."""
+    scorer = _engine(model, args, args.batch_size, args.target_length)
+    inputs = [row.tolist() for row in batch["encoder_input_tokens"]]
+    targets = [row.tolist() for row in batch["decoder_target_tokens"]]
+    run = lambda: scorer.score(inputs, targets)
+    first, _ = _first_call(run)
     peak = peak_name(model.config.dtype)
-    features = {k: jnp.asarray(v) for k, v in batch.items()}
-    compiled, compile_s, cost = compile_seconds(jax.jit(model.score), params, features)
     lengths = (args.input_length, args.target_length)
     flops = forward_flops(model.config, args.batch_size, *lengths)
     matmuls = forward_dense(model.config, args.batch_size, *lengths)
@@ -188,71 +225,69 @@ def bench_score(model, args, batch, probes: dict) -> Workload:
     def report(seconds: float, limits: dict) -> dict:
         return {
             **throughput(seconds, args.batch_size, sum(lengths)),
-            "compile_seconds": compile_s,
+            # The first call less a warm one: its programs' compiles.
+            "compile_seconds": max(0.0, first - seconds),
             "flops_per_step": flops,
             **peak_fraction(flops, seconds, limits[peak]),
             **dense_share(seconds, dense.work, limits["dense_matmuls"]),
-            **xla_cost(cost),
         }
 
-    return Workload(lambda: compiled(params, features), report, probes=(probes[peak], dense))
+    return Workload(run, report, probes=(probes[peak], dense))
 
 
-def _decode_fns(model, length: int, num_beams: int, alpha: float):
-    """(the whole decode, its prefill): the prefill is what the decode does before its loop
-    (the encoder, the cross-attention keys/values, the caches, their copies per beam), timed
-    alone so the loop's steps can be told from it. It reaches into t5tpu.model.decoding's
-    private helpers so that it is exactly the decode's own prefill."""
-    from t5tpu.model import decoding
+def decode_settings(workload: str, args):
+    """The decoding settings of a decoding workload."""
+    from t5tpu.model.decoding import DecodingSettings
 
-    def prefill(params, tokens):
-        encoded, cache = decoding._encode_and_make_cache(model.module, params, tokens, length)
-        if num_beams > 1:
-            only = decoding._is_self_attention_cache
-            cache = decoding._expand_to_beams(cache, num_beams, only=only)
-        return encoded, cache
-
-    if num_beams == 1:
-        return lambda p, x: decoding.decode(model.module, p, x, length, eos_id=-1), prefill
-    whole = lambda p, x: decoding.beam_search(model.module, p, x, length, -1, num_beams, alpha)[0]
-    return whole, prefill
+    if workload == "beam":
+        return DecodingSettings(num_beams=args.num_beams, beam_alpha=args.beam_alpha)
+    if workload == "sampling":
+        return DecodingSettings(temperature=args.temperature, top_k=args.top_k, seed=args.seed)
+    return DecodingSettings()
 
 
-def bench_decode(model, args, inputs: np.ndarray, num_beams: int, probes: dict) -> Workload:
-    params = _inference_params(model, args)
-    peak = peak_name(model.config.dtype)
-    length, batch = args.decode_length, len(inputs)
-    whole, prefill = _decode_fns(model, length, num_beams, args.beam_alpha)
-    tokens = jnp.asarray(inputs)
-    compiled, compile_s, _ = compile_seconds(jax.jit(whole), params, tokens)
-    compiled_prefill, _, _ = compile_seconds(jax.jit(prefill), params, tokens)
-    jax.block_until_ready(compiled_prefill(params, tokens))  # its first call's costs, not timed
-    out = compiled(params, tokens)
-    if out.shape != (batch, length) or not bool(jnp.all(out[:, -1] > 0)):
+def bench_decode(model, args, inputs: np.ndarray, settings, probes: dict) -> Workload:
+    """Engine.generate on the rows, as `t5tpu infer`, the Python API and serve decode. The
+    network's EOS id is one no token has (-1), so every row decodes exactly --decode_length
+    tokens, as the FLOPs and bytes models count them. The prefill, timed alone, is a decode of
+    one token (the encoder, the caches, one step): the loop's steps are the rest."""
+    from t5tpu.model import engine
+    from t5tpu.model.encoder_decoder import EncoderDecoderModel
+
+    network = EncoderDecoderModel(model.config, IdsOnly(model.config.vocab_size, eos_id=-1))
+    length, batch, num_beams = args.decode_length, len(inputs), settings.num_beams
+    decoder = _engine(network, args, batch, length)
+    rows = [row.tolist() for row in inputs]
+    whole = lambda: decoder.generate(rows, engine.Request(settings, length))
+    prefill = lambda: decoder.generate(rows, engine.Request(settings, 1))
+    first, out = _first_call(whole)
+    _first_call(prefill)
+    if any(len(ids) != length or ids[-1] <= 0 for ids in out):
         raise RuntimeError(f"decoding did not produce {length} tokens per row")
     config = model.config
     flops = decode_flops(config, batch, args.input_length, length, num_beams)
     step_flops = decode_step_flops(config, batch * num_beams, args.input_length, length)
     floor_bytes = decode_step_bytes(config, batch, args.input_length, length, num_beams)
     dense = dense_probe(decode_step_dense(config, batch * num_beams), config.activation_dtype)
+    peak = peak_name(config.dtype)
 
     def report(seconds: float, prefill: float, limits: dict) -> dict:
         # The loop's steps are the whole decode less its prefill (medians of interleaved
         # repetitions); a tiny model's prefill can exceed that noise, hence the fallback.
-        loop = seconds - prefill if seconds > prefill else seconds
+        steps = max(1, length - 1)
+        loop = seconds - prefill if seconds > prefill and length > 1 else seconds
         return decode_result(seconds, batch, args, num_beams) | {
-            "compile_seconds": compile_s,
+            "compile_seconds": max(0.0, first - seconds),
             "flops_per_batch": flops,
             "prefill_seconds": prefill,
-            **memory_floor(loop / length, floor_bytes, bandwidth(limits), step_flops, limits[peak]),
-            **dense_share(loop / length, dense.work, limits["dense_matmuls"]),
+            **memory_floor(loop / steps, floor_bytes, bandwidth(limits), step_flops, limits[peak]),
+            **dense_share(loop / steps, dense.work, limits["dense_matmuls"]),
         }
 
-    run_prefill = lambda: compiled_prefill(params, tokens)
     return Workload(
-        lambda: compiled(params, tokens),
+        whole,
         report,
-        parts={"prefill": run_prefill},
+        parts={"prefill": prefill},
         # Both bandwidths, the peak for the compute floor, and the step's own dense matmuls.
         probes=(probes[peak], probes["stream_bandwidth"], probes["gemv_bandwidth"], dense),
     )
@@ -300,7 +335,9 @@ def _inference_params(model, args):
     return precision.cast_params(_random_params(model, args), model.config.activation_dtype)
 
 
-MODEL_WORKLOADS = ("train", "score", "greedy", "beam")  # those measured against a limit
+# Those measured against a limit; the decoding ones, with their settings (decode_settings).
+MODEL_WORKLOADS = ("train", "score", "greedy", "sampling", "beam")
+DECODING = ("greedy", "sampling", "beam")
 
 
 def make_limit_probes(args) -> dict:
@@ -357,15 +394,17 @@ def run_workloads(args, emit: Callable[[dict], None], model) -> list[dict]:
     sides = {
         "train": lambda m: bench_train(m, args, batch, probes),
         "score": lambda m: bench_score(m, args, batch, probes),
-        "greedy": lambda m: bench_decode(m, args, decode_inputs, 1, probes),
-        "beam": lambda m: bench_decode(m, args, decode_inputs, args.num_beams, probes),
     }
     hf_sides = {
         "train": lambda: hf.hf_train(reference, args, batch),
         "score": lambda: hf.hf_score(reference, args, batch),
-        "greedy": lambda: hf.hf_decode(reference, args, decode_inputs, 1),
-        "beam": lambda: hf.hf_decode(reference, args, decode_inputs, args.num_beams),
     }
+    for name in DECODING:
+        settings = decode_settings(name, args)
+        sides[name] = functools.partial(
+            bench_decode, args=args, inputs=decode_inputs, settings=settings, probes=probes
+        )
+        hf_sides[name] = functools.partial(hf.hf_decode, reference, args, decode_inputs, settings)
     repetitions = (args.warmup, args.steps, args.limit_best)
     if probes:
         probe_machine("probes before the workloads", "")

@@ -38,10 +38,13 @@ accumulation, and the memory bandwidth of a streaming sum and of a 1-row GEMV. E
 reports fraction_of_limit against them (train and score against the peak of the model's \
 dtype). train: one jit'd train step: compile seconds, median seconds/step after warm-up, \
 tokens/s, and achieved FLOP/s over the matmul peak. score: forward pass and per-example \
-log-likelihood, tokens/s, FLOP/s over the peak. greedy, beam: decoding exactly --decode_length \
-new tokens (EOS never stops it), seconds per batch, new tokens/s, and the memory floor of a step \
-(weights and caches read once at the measured bandwidth) over the step's time (the encoder pass, \
-timed alone, left out). Beside each of these, dense_matmul_ms: the workload's own weight \
+log-likelihood through the engine `t5tpu eval` and the Python API score with, tokens/s, FLOP/s \
+over the peak. greedy, sampling (--temperature, --top_k), beam: the engine's generate, which \
+`t5tpu infer`, the Python API and serve run, decoding exactly --decode_length new tokens (EOS \
+never stops it), seconds per batch, new tokens/s, and the memory floor of a step (weights and \
+caches read once at the measured bandwidth) over the step's time (the prefill, a decode of one \
+token timed alone, left out). compile seconds: train's compile; for the engine's workloads, its \
+first call less a warm one. Beside each of these, dense_matmul_ms: the workload's own weight \
 matmuls timed alone at its shapes, and dense_share, their time over the step's (how much of the \
 step is XLA's matmul kernels). pipeline: examples/s the seqio pipeline of a real task delivers \
 at the same lengths, against what the train step consumes.
@@ -61,6 +64,8 @@ def parser() -> ToolParser:
     p.add_argument("--decode_length", type=int, default=32, help="new tokens per example")
     p.add_argument("--num_beams", type=int, default=4, help="beams of the beam workload")
     p.add_argument("--beam_alpha", type=float, default=0.6, help="beam search length penalty")
+    p.add_argument("--temperature", type=float, default=1.0, help="of the sampling workload")
+    p.add_argument("--top_k", type=int, default=0, help="of the sampling workload (0: all ids)")
     p.add_argument(
         "--optimizer", choices=("adamw", "adafactor"), default="adamw", help="of the train step"
     )
@@ -114,6 +119,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         )
     if args.steps < 1 or args.warmup < 0 or args.num_beams < 1:
         raise UserError("--steps and --num_beams must be >= 1 and --warmup >= 0")
+    if args.temperature <= 0 or args.top_k < 0:
+        raise UserError("--temperature must be > 0 and --top_k >= 0 (sampling; greedy is its own)")
     if min(args.limit_probes, args.limit_best, args.stream_mb or 1, args.matmul_size or 1) < 1:
         raise UserError("--limit_probes, --limit_best, --stream_mb and --matmul_size must be >= 1")
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]

@@ -210,7 +210,9 @@ TOOLS = {
     for c in (
         ToolCommand(module=prepare_quora, tensorflow=True, compilation_cache=False),
         ToolCommand(module=convert, tensorflow=False, compilation_cache=True),
-        ToolCommand(module=bench, tensorflow=True, compilation_cache=True),
+        # TensorFlow only for its pipeline workload (seqio's), imported there when it comes: the
+        # model workloads run on a machine without it (scripts/accelerator_check.sh).
+        ToolCommand(module=bench, tensorflow=False, compilation_cache=True),
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
         # The task routes build prompts with TensorFlow: loaded before the server starts, so
         # its import neither delays a request nor mutes the server's output while it runs.

@@ -18,6 +18,12 @@ size it costs nothing. `contract` shapes every dot accordingly: the operand cont
 trailing dims goes left, a unit contracted dim is added when neither does (so XLA
 canonicalizes), and a single-row lhs is duplicated to two rows in place (a new leading dim
 instead can be canonicalized into a transposed bf16 dot that XLA:CPU cannot run at all).
+
+Those shapes are for XLA:CPU only: TPU and GPU get the plain dot (bf16 operands, float32
+accumulation), which their compilers lay out themselves; the duplicated row would double a
+decoding step's matmul work there. `cpu_shapes` decides, once per traced dot, from the platform
+the program is traced for (Partitioner.jit sets it from its mesh's devices: libtpu's
+compile-only devices of a slice count as TPU), else from jax's default backend.
 """
 
 from __future__ import annotations
@@ -27,10 +33,18 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from t5tpu import partitioning
+
 Array = jax.Array
 COMPUTE_DTYPE = jnp.bfloat16
 # The einsum letter of the unit contracted dim `contract` may add.
 _UNIT = "Z"
+
+
+def cpu_shapes() -> bool:
+    """Whether dots traced now take XLA:CPU's shapes: the one place that chooses, by the
+    platform the program is traced for (partitioning.traced_platform)."""
+    return partitioning.traced_platform() == "cpu"
 
 
 def cast_params(params, dtype, shardings=None):
@@ -57,7 +71,7 @@ def einsum(spec: str, x: Array, y: Array, dtype, out_dtype=None) -> Array:
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.einsum(spec, x, y).astype(out_dtype)
     _check(spec)
-    return _mixed(spec, out_dtype, (x.dtype, y.dtype), x, y)
+    return _mixed(spec, out_dtype, (x.dtype, y.dtype), cpu_shapes(), x, y)
 
 
 def _parse(spec: str) -> tuple[str, str, str]:
@@ -77,25 +91,28 @@ def _check(spec: str) -> None:
             raise ValueError(f"einsum {spec!r}: dims {sorted(lone)} are neither kept nor paired")
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _mixed(spec, out_dtype, dtypes, x, y):
+# `cpu` is a static argument, not read inside: a trace jax caches must not keep another
+# platform's shapes.
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _mixed(spec, out_dtype, dtypes, cpu, x, y):
     del dtypes
-    return contract(spec, x.astype(COMPUTE_DTYPE), y.astype(COMPUTE_DTYPE)).astype(out_dtype)
-
-
-def _mixed_forward(spec, out_dtype, dtypes, x, y):
     x, y = x.astype(COMPUTE_DTYPE), y.astype(COMPUTE_DTYPE)
-    return contract(spec, x, y).astype(out_dtype), (x, y)
+    return contract(spec, x, y, cpu=cpu).astype(out_dtype)
 
 
-def _mixed_backward(spec, out_dtype, dtypes, saved, grad):
+def _mixed_forward(spec, out_dtype, dtypes, cpu, x, y):
+    x, y = x.astype(COMPUTE_DTYPE), y.astype(COMPUTE_DTYPE)
+    return contract(spec, x, y, cpu=cpu).astype(out_dtype), (x, y)
+
+
+def _mixed_backward(spec, out_dtype, dtypes, cpu, saved, grad):
     """Each operand's gradient is the contraction of the cotangent with the other operand."""
     del out_dtype
     x, y = saved
     sx, sy, out = _parse(spec)
     grad = grad.astype(COMPUTE_DTYPE)
-    dx = contract(f"{out},{sy}->{sx}", grad, y).astype(dtypes[0])
-    dy = contract(f"{out},{sx}->{sy}", grad, x).astype(dtypes[1])
+    dx = contract(f"{out},{sy}->{sx}", grad, y, cpu=cpu).astype(dtypes[0])
+    dy = contract(f"{out},{sx}->{sy}", grad, x, cpu=cpu).astype(dtypes[1])
     return dx, dy
 
 
@@ -106,9 +123,12 @@ def _trailing(dims: str, contracted: set[str]) -> bool:
     return bool(contracted) and set(dims[len(dims) - len(contracted) :]) == contracted
 
 
-def contract(spec: str, a: Array, b: Array) -> Array:
-    """bf16 `a` and `b` contracted as `spec` says, accumulated and returned in float32, in a
-    form XLA:CPU keeps on its bf16 kernels (see the module docstring)."""
+def contract(spec: str, a: Array, b: Array, *, cpu: bool | None = None) -> Array:
+    """bf16 `a` and `b` contracted as `spec` says, accumulated and returned in float32; with
+    `cpu` (default: `cpu_shapes()`) in a form XLA:CPU keeps on its bf16 kernels (see the module
+    docstring)."""
+    if not (cpu_shapes() if cpu is None else cpu):
+        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
     sa, sb, out = _parse(spec)
     contracted = (set(sa) & set(sb)) - set(out)
     if not _trailing(sa, contracted) and _trailing(sb, contracted):

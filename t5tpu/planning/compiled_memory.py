@@ -50,6 +50,9 @@ class CompiledMemory:
     # What that message says the step needed and the HBM it had (0 when it says neither).
     needed: int = 0
     available: int = 0
+    # XLA's cost analysis of the compiled step, per device (a loop's body counted once).
+    flops: float = 0.0
+    bytes_accessed: float = 0.0
 
     @property
     def peak(self) -> int:
@@ -161,7 +164,7 @@ def train_step_memory(
     device = partitioner.mesh.devices.flat[0]
     device_kind = device.device_kind
     try:
-        memory = step.lower(*abstract, batch, seed).compile().memory_analysis()
+        compiled = step.lower(*abstract, batch, seed).compile()
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e):
             raise
@@ -170,6 +173,8 @@ def train_step_memory(
         return CompiledMemory(
             device_kind, 0, 0, 0, 0, out_of_memory=summary, needed=needed, available=available
         )
+    memory, cost = compiled.memory_analysis(), compiled.cost_analysis()
+    cost = (cost[0] if isinstance(cost, list) else cost) or {}
     return CompiledMemory(
         device_kind=device_kind,
         arguments=memory.argument_size_in_bytes,
@@ -177,6 +182,8 @@ def train_step_memory(
         outputs=memory.output_size_in_bytes,
         aliased=memory.alias_size_in_bytes,
         heap_peak=memory.peak_memory_in_bytes if device.platform == "tpu" else 0,
+        flops=float(cost.get("flops", 0.0)),
+        bytes_accessed=float(cost.get("bytes accessed", 0.0)),
     )
 
 

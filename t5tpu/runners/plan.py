@@ -27,7 +27,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
-from t5tpu.planning import compiled_memory, knobs, lora_plan, memory_plan, placements
+from t5tpu.planning import compiled_memory, knobs, lora_plan, memory_plan, placements, roofline
 from t5tpu.runners import adapted_run
 
 
@@ -101,6 +101,7 @@ def report(
         f"  {'peak (estimate)':22} {plan.peak / _unit(plan)[1]:9.2f}   at the {plan.peak_phase}",
         *(_compiled_lines(plan, compiled) if compiled else _caveats(plan)),
         f"  {_verdict(plan, compiled)}",
+        *(_roofline_lines(plan, compiled) if compiled else []),
     ]
     if _fits(plan, compiled) is False:
         lines += ["", f"to make it fit ({_knobs_judged(plan, compiled)}):"]
@@ -164,6 +165,33 @@ def _compiled_lines(
         f"the estimate is {plan.peak / compiled.peak:.2f} of it",
         f"    {parts}",
     ]
+
+
+def _roofline_lines(
+    plan: memory_plan.MemoryPlan, compiled: compiled_memory.CompiledMemory
+) -> list[str]:
+    """The compiled step's roofline on the slice's chips (planning/roofline.py), when TPU's
+    compiler placed it and the chip is in the table."""
+    generation = (plan.topology.tpu_topology or "").split(":")[0]
+    chip = roofline.chip_of(plan.topology.tpu_topology)
+    if compiled.out_of_memory or chip is None or not compiled.flops:
+        return []
+    from t5tpu.bench.workloads import forward_flops
+
+    w, c = plan.workload, plan.config
+    # A LoRA step takes no gradients of the frozen weights: about 2 forward passes, not 3.
+    passes = 2 if c.lora is not None else 3
+    devices = plan.mesh["data"] * plan.mesh["model"]
+    analytic = passes * forward_flops(c, w.batch_size, w.input_length, w.target_length)
+    estimate = roofline.of_train_step(
+        flops=compiled.flops,
+        bytes_accessed=compiled.bytes_accessed,
+        analytic_flops=analytic / devices,
+        loops=c.scan_layers or w.num_microbatches > 1,
+        chip=chip,
+        batch_size=w.batch_size,
+    )
+    return roofline.describe(estimate, generation)
 
 
 def _peak(plan: memory_plan.MemoryPlan, compiled) -> int:
