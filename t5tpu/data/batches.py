@@ -1,6 +1,6 @@
-"""Batches as the compiled functions take them: host rows to global arrays on the mesh, and
-fixed-size zero-padded batches of a finite data set (evaluation and inference read every
-example on every host and place the full batch)."""
+"""Batches as the compiled functions take them: host rows to global arrays on the mesh (training),
+and fixed-size zero-padded batches of a finite data set (evaluation reads every example on every
+host and places the full batch; inference and serving batch through model/engine.py instead)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ def to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedShard
 
 
 def full_batch_to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
-    """A batch that every host holds in full (evaluation, inference) -> global arrays."""
+    """A batch that every host holds in full (evaluation) -> global arrays."""
     return {
         k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))
         for k, v in batch.items()
