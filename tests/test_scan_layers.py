@@ -263,6 +263,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     from t5tpu.formats import (
         conversion,
         hf_format,  # imports tensorflow: kept out of the 8-device worker
+        loader,
     )
     from t5tpu.formats.vocabulary_source import VocabularySource
 
@@ -270,7 +271,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     abstract = _abstract(stacked)
     # A t5tpu checkpoint_N directory, as INITIAL_CHECKPOINT_PATH.
     step_dir = conversion.save_params(str(tmp_path / "t5tpu"), 0, unrolled)
-    loaded = conversion.open_checkpoint(step_dir).load(abstract, _single_device(abstract))
+    loaded = loader.open_checkpoint(step_dir).load(abstract, _single_device(abstract))
     assert_trees_equal(jax.device_get(loaded), stacked)
     # A Hugging Face directory, read by its importer (layers_N) and then stacked.
     hf_dir = str(tmp_path / "hf")
@@ -279,7 +280,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     bundled = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
     hf_format.export(hf_params, config, hf_dir, bundled)
     expected = layer_stacking.stack_layers(hf_params)
-    loaded = conversion.open_checkpoint(hf_dir).load(_abstract(expected))
+    loaded = loader.open_checkpoint(hf_dir).load(_abstract(expected))
     assert_trees_equal(loaded, expected)
 
 

@@ -7,12 +7,16 @@ steps exactly equal to the full-batch step.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import gin
 import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
+from t5tpu.model.lora import LoraSettings
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.runtime.lazy_imports import seqio
 
@@ -120,3 +124,12 @@ class EncoderDecoderModel:
         log_p = jax.nn.log_softmax(logits)
         token_ll = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(token_ll * (targets > 0), axis=-1)
+
+
+def adapted_model(model: EncoderDecoderModel, settings: LoraSettings) -> EncoderDecoderModel:
+    """`model` with LoRA adapters beside the kernels `settings` target (model/lora.py): same
+    vocabulary, loss and decoding; its parameters are the base's joined with the adapters."""
+    adapted = copy.copy(model)
+    adapted.config = dataclasses.replace(model.config, lora=settings)
+    adapted.module = Transformer(adapted.config)
+    return adapted
