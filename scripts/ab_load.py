@@ -68,8 +68,9 @@ def _rss_mb(pid: int) -> float:
 
 
 def _ab(port: int, args, body_file: str) -> dict:
-    command = ["ab", "-q", "-n", str(args.requests), "-c", str(args.clients)]
-    command += ["-t", str(args.time_limit), "-p", body_file, "-T", "application/json"]
+    # -t first: it sets -n to 50,000, and the -n after it sets it back.
+    command = ["ab", "-q", "-t", str(args.time_limit), "-n", str(args.requests)]
+    command += ["-c", str(args.clients), "-p", body_file, "-T", "application/json"]
     out = subprocess.run(
         [*command, f"http://127.0.0.1:{port}/v1/predict"],
         capture_output=True,
@@ -93,13 +94,14 @@ def main(argv=None) -> None:
     command = [sys.executable, "-m", "t5tpu.cli.main", "serve", f"--port={port}"]
     command += [f"--gin_file={args.gin_file}", f"--gin.MODEL_DIR='{args.model_dir}'"]
     command += [f"--adapter={a}" for a in args.adapter]
-    log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+    log = os.path.join(tempfile.mkdtemp(), "serve.log")
     start = time.perf_counter()
-    server = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    with open(log, "w") as out:
+        server = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
     try:
         while _get(port, "/health")[0] != 200:
             if server.poll() is not None or time.perf_counter() - start > 600:
-                raise SystemExit(f"the server did not get ready; its log: {log.name}")
+                raise SystemExit(f"the server did not get ready; its log: {log}")
             time.sleep(0.1)
         ready_s = round(time.perf_counter() - start, 1)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as body:

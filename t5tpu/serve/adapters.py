@@ -24,6 +24,7 @@ import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.model import lora, precision
+from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
 from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints
 from t5tpu.storage import model_dir as paths
@@ -134,22 +135,15 @@ class ServedAdapters:
 
 
 def _rounded_base(base_dtype: str):
-    """A view of {"params": adapted tree, "rounded": flag}: the adapted tree, its base leaves
-    rounded to `base_dtype` where the flag says so, as a LoRA run trains on them (and
-    t5tpu.load merges onto them); the base alone (flag False) as it is. reduce_precision, not a
-    cast there and back, which XLA may drop as a no-op."""
-    info = jnp.finfo(base_dtype)
+    """A view of {"params": adapted tree, "rounded": flag}: the adapted tree with its base as
+    the adapter's run trained on it (lora.base_as_trained, as training and t5tpu.load make it)
+    where the flag says so; the base alone (flag False) as it is."""
 
     def view(tree):
-        base, adapters = lora.split(tree["params"])
-
-        def rounded(x):
-            if not jnp.issubdtype(x.dtype, jnp.floating):
-                return x
-            low = jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-            return jnp.where(tree["rounded"], low, x)
-
-        return lora.join(jax.tree_util.tree_map(rounded, base), adapters)
+        trained = lora.base_as_trained(tree["params"], base_dtype)
+        return jax.tree_util.tree_map(
+            lambda low, x: jnp.where(tree["rounded"], low, x), trained, tree["params"]
+        )
 
     return view
 
@@ -176,8 +170,6 @@ def load_adapters(
     """The adapters over `base` (a loaded T5Model, whose parameters they share), and the base
     itself as an adapter of zeros: one engine, one set of programs, serves them all (the zero
     adapters cost a rank-r matmul beside each adapted kernel)."""
-    from t5tpu.training import frozen_base
-
     if not adapters:
         return None
     base_params = base.engine.params
@@ -200,7 +192,7 @@ def load_adapters(
     _, first = lora.split(trees[adapters[0].name]["params"])
     trees[None] = {"params": lora.join(base_params, _zeros_like(first)), "rounded": flag}
     engine = Engine(
-        network=frozen_base.adapted_model(base.model, settings),
+        network=adapted_model(base.model, settings),
         params=trees[None],
         param_shardings=jax.tree_util.tree_map(lambda x: x.sharding, trees[None]),
         partitioner=partitioner,
