@@ -106,18 +106,18 @@ def served(runs):
             max_instances=8, max_body_bytes=65536, truncation="warn", max_queue=64
         ),
         batching=batcher.BatchLimits(max_batch_size=4, max_wait_s=0.01, max_queue=64),
-        load=functools.partial(model_setup.load_engine, setup, max_batch_size=4, say=print),
+        load=functools.partial(model_setup.load_worker, setup, max_batch_size=4, say=print),
     )
     sock = server.bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     thread = threading.Thread(target=running.server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
-    while running.service.engine is None and running.worker.error is None:
+    while running.service.worker is None and running.worker.error is None:
         assert time.monotonic() < deadline, "the server did not get ready"
         time.sleep(0.1)
     assert running.worker.error is None, running.worker.error
-    yield port, running.service.engine
+    yield port, running.service.worker
     running.server.should_exit = True
     thread.join(timeout=60)
 

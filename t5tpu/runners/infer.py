@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5tpu import validators
-from t5tpu.config import gin_setup
+from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding, engine
@@ -191,20 +191,13 @@ class _Decoder:
         ]
 
 
-# What INFER_TRUNCATION chooses between, and what each does with an input that is too long.
-TRUNCATION = {
-    "warn": "truncate inputs longer than TASK_FEATURE_LENGTHS['inputs'], with a warning",
-    "error": "refuse them",
-}
-
-
 def _check_settings(
     num_examples: int | None, truncation: str, chunk: infer_chunks.Assignment
 ) -> None:
     """The macros' own limits (config.macro_limits) again, for values bound to infer.* directly,
     and what no single macro can check: the shard among the shards."""
     validators.optional(validators.whole(low=1)).check("INFER_NUM_EXAMPLES", num_examples)
-    validators.choice(TRUNCATION).check("INFER_TRUNCATION", truncation)
+    validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", truncation)
     validators.whole(low=1).check("INFER_CHUNK_SIZE", chunk.chunk_size)
     validators.whole(low=1).check("INFER_NUM_SHARDS", chunk.num_shards)
     validators.whole(low=0, high=chunk.num_shards - 1).check("INFER_SHARD_ID", chunk.shard_id)

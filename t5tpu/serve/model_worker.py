@@ -34,15 +34,6 @@ _POLL_STEPS = 8
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeRow:
-    """One instance to decode: its ids, its index in its request and its request's seed."""
-
-    ids: tuple[int, ...]
-    index: int
-    seed: int
-
-
-@dataclasses.dataclass(frozen=True)
 class ScoreRow:
     input_ids: tuple[int, ...]
     target_ids: tuple[int, ...]
@@ -87,7 +78,7 @@ class _QueuedRows:
     def take(self, count: int, bucket: int) -> list[Row]:
         taken, self._held = self._held[:count], self._held[count:]
         taken += self._feed.take(count - len(taken)) if count > len(taken) else []
-        return [Row(t.item.ids, t.item.index, t.item.seed, tag=t) for t in taken]
+        return [dataclasses.replace(t.item, tag=t) for t in taken]  # answered through `tag`
 
 
 class ModelWorker:
