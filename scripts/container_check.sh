@@ -132,7 +132,6 @@ build_stand_in() {
   rm -rf "$rootfs" "$rootfs.log"
 }
 
-
 # --- building -------------------------------------------------------------------------------
 
 # `-v SRC:SRC:ro` for buildah's build: pip inside it reaches the package index only with this
@@ -183,7 +182,11 @@ build_image() {
       "${PIP_MOUNTS[@]}" -t "$IMAGE" "$ROOT" > "$log" 2>&1 || build_failed $?
   fi
   BUILD_S=$(($(date +%s) - start))
-  say "built in ${BUILD_S} s"
+  if grep -q -i 'using cache' "$log"; then
+    say "built in ${BUILD_S} s, with layers cached from an earlier build"
+  else
+    say "built in ${BUILD_S} s"
+  fi
 }
 
 build_failed() {
