@@ -314,7 +314,10 @@ check_runs() {
   local code=0 outside
   wait "$HOST_PID" || code=$?
   HOST_PID=
-  [ "$code" -eq 0 ] || fail "the same runs outside the container failed (see above)"
+  if [ "$code" -ne 0 ]; then
+    cat "$WORK/host.log" >&2
+    fail "the same runs outside the container failed (their output above)"
+  fi
   INFERRED=$(ls "$WORK"/container/model/inference/inputs-*.jsonl)
   outside=$WORK/host/model/inference/$(basename "$INFERRED")
   cmp -s "$INFERRED" "$outside" \
