@@ -3,20 +3,24 @@
 docs/MACROS.md against the command table: its macro table is the one `help_text.macro_table()`
 renders from t5tpu/cli/commands.py (what every command's --help lists, itself checked against
 the run files in test_help.py), so no macro is missing, none is listed that no command reads, and
-every default is the command's. docs/ARCHITECTURE.md against the tree and the imports: every
-module it names exists, every module is named, and its layers are the import graph's.
-docs/PERFORMANCE.md stays short, and every command in it runs something that exists. A doc's
-section named elsewhere ('docs/X.md, "Section"') is one of its headings."""
+every default is the command's. docs/memory_plan.md's experiment table is the one
+`plan_table.table()` renders from `t5tpu plan` of every TPU experiment. docs/ARCHITECTURE.md
+against the tree and the imports: every module it names exists, every module is named, and its
+layers are the import graph's. docs/ stays under 100 KB, docs/PERFORMANCE.md stays short, and
+every command in it runs something that exists. A doc's section named elsewhere ('docs/X.md,
+"Section"') is one of its headings."""
 
 import os
 import pathlib
 import re
 import shlex
 
+import pytest
 import test_architecture
 from cli_runs import ROOT
 
 from t5tpu.cli import commands, help_text
+from t5tpu.runners import plan_table
 
 MACROS_DOC = os.path.join(ROOT, "docs", "MACROS.md")
 REGENERATE = "python -m t5tpu.cli.help_text docs/MACROS.md"
@@ -239,3 +243,39 @@ def test_every_named_doc_section_is_a_heading():
             for doc, section in named.findall(path.read_text(encoding="utf-8")):
                 headings = re.findall(r"^#+ (.*)$", (DOCS / f"{doc}.md").read_text(), re.M)
                 assert any(h.startswith(section) for h in headings), (str(path), doc, section)
+
+
+DOCS_LIMIT = 100_000
+
+
+def test_the_docs_stay_under_100_kb():
+    sizes = {p.name: p.stat().st_size for p in DOCS.glob("*.md")}
+    assert sum(sizes.values()) <= DOCS_LIMIT, f"docs/*.md: {sum(sizes.values())} bytes, {sizes}"
+
+
+PLAN_TABLE_REGENERATE = "python -m t5tpu.runners.plan_table docs/memory_plan.md"
+
+
+def _plan_doc() -> str:
+    return (DOCS / "memory_plan.md").read_text(encoding="utf-8")
+
+
+def test_the_memory_plan_table_has_a_row_per_tpu_experiment():
+    """Without planning: the generated table's rows are the experiments there are."""
+    text = _plan_doc()
+    start = text.index(plan_table.TABLE_BEGIN)
+    rows = [
+        tuple(cell.strip() for cell in line.split("|")[1:4])
+        for line in text[start : text.index(plan_table.TABLE_END)].splitlines()
+        if line.startswith("| ") and not line.startswith(("| size", "| ---"))
+    ]
+    expected = [plan_table._name_parts(p) for p in plan_table.experiments()]
+    assert sorted(rows) == sorted(expected), f"docs/memory_plan.md: run {PLAN_TABLE_REGENERATE}"
+
+
+@pytest.mark.slow
+def test_the_memory_plan_table_is_the_generated_one():
+    """Plans every TPU experiment (no compile; seconds each, a minute for a step that does not
+    fit, whose knobs are replanned)."""
+    text = _plan_doc()
+    assert plan_table.with_table(text) == text, f"docs/memory_plan.md: run {PLAN_TABLE_REGENERATE}"
