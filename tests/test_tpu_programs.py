@@ -40,7 +40,7 @@ def programs():
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=3600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
