@@ -29,15 +29,22 @@ def tiny_config():
 @pytest.fixture(scope="session")
 def trained_tiny(tmp_path_factory):
     """MODEL_DIR (a pathlib.Path) of the tiny Quora experiment trained for
-    cli_runs.TRAINED_TINY_STEPS steps (cli_runs.train_tiny), once per worker: a checkpoint to
-    evaluate, decode or load. The files that ask for it share it, so read it only: a test that
-    writes into its MODEL_DIR (eval, or infer without INFER_OUTPUT_DIR) works on a copy
-    (shutil.copytree). Tests of training itself train their own runs."""
-    from cli_runs import file_digests, train_tiny
+    cli_runs.TRAINED_TINY_STEPS steps (cli_runs.train_tiny), once per test run (built_once.py:
+    both workers share it): a checkpoint to evaluate, decode or load. The files that ask for it
+    share it, so read it only: a test that writes into its MODEL_DIR (eval, or infer without
+    INFER_OUTPUT_DIR) works on a copy (shutil.copytree). Tests of training itself train their
+    own runs."""
+    from built_once import built_once
+    from cli_runs import TINY_EXPERIMENT, TRAINED_TINY_STEPS, file_digests, train_tiny
 
-    path = tmp_path_factory.mktemp("trained_tiny") / "model"
-    train_tiny(path)
-    before = file_digests(path)
+    def build(folder):
+        train_tiny(folder / "model")
+        return file_digests(folder / "model")
+
+    folder, before = built_once(
+        tmp_path_factory, "trained_tiny", build, TINY_EXPERIMENT, TRAINED_TINY_STEPS
+    )
+    path = folder / "model"
     yield path
     # Other files' tests would have seen what one wrote: say so at the end of the session.
     assert file_digests(path) == before, f"a test wrote into the shared {path}; copy it first"

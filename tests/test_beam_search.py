@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import seqio
+import reference_decoding
 from tiny import tiny_config
 
 from t5tpu.model import decoding
-from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.network import Transformer
 
 EOS = 1
@@ -49,7 +48,7 @@ def _penalized(token_log_probs: np.ndarray, length: int, alpha: float) -> float:
 def test_one_beam_with_alpha_zero_is_greedy():
     _, module, params = _random_model(96, seed=0, scale=1.5)
     inputs = jnp.asarray(np.random.default_rng(0).integers(2, 96, size=(6, 12)), jnp.int32)
-    greedy = jax.jit(lambda p, x: decoding.decode(module, p, x, 10, EOS))(params, inputs)
+    greedy = jax.jit(lambda p, x: reference_decoding.decode(module, p, x, 10, EOS))(params, inputs)
     beam, _ = jax.jit(lambda p, x: decoding.beam_search(module, p, x, 10, EOS, 1, alpha=0.0))(
         params, inputs
     )
@@ -142,18 +141,3 @@ def test_scores_are_rescored_log_likelihoods():
     for row, score, row_log_probs, n in zip(tokens, scores, rescored, lengths, strict=True):
         np.testing.assert_allclose(score, _penalized(row_log_probs, n, alpha), rtol=1e-4)
         assert (row[n:] == 0).all()
-
-
-def test_predict_dispatches_on_num_beams(monkeypatch):
-    calls = []
-    monkeypatch.setattr(decoding, "beam_search", lambda *a: calls.append(("beam", a)) or (0, 0))
-    monkeypatch.setattr(decoding, "decode", lambda *a: calls.append(("greedy", a)))
-    cfg = tiny_config(vocab_size=96)
-    model = EncoderDecoderModel(cfg, seqio.PassThroughVocabulary(96, eos_id=EOS))
-    batch = {"encoder_input_tokens": "tokens"}
-    model.predict(
-        "params", batch, 8, settings=decoding.DecodingSettings(num_beams=4, beam_alpha=0.3)
-    )
-    model.predict("params", batch, 8, settings=decoding.DecodingSettings(temperature=0.5))
-    assert calls[0] == ("beam", (model.module, "params", "tokens", 8, EOS, 4, 0.3))
-    assert calls[1][0] == "greedy" and calls[1][1][3:] == (8, EOS, None, 0.5, 0)

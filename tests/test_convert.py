@@ -24,7 +24,7 @@ from t5tpu import api
 from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, conversion, hf_format
+from t5tpu.formats import checkpoint_reader, hf_format, loader
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.runners import train
@@ -82,7 +82,7 @@ def test_hf_import_writes_a_checkpoint_and_model_gin(hf_dir, converted):
     _, params = hf_dir
     assert sorted(os.listdir(converted)) == ["checkpoint_0", "model.gin", "spiece.model"]
     _assert_same(_restore(converted, 0, CONFIG), params)
-    _assert_same(conversion.open_checkpoint(f"{converted}/checkpoint_0").load(params), params)
+    _assert_same(loader.open_checkpoint(f"{converted}/checkpoint_0").load(params), params)
     text = pathlib.Path(converted, "model.gin").read_text()
     for line in (
         "T5Config.vocab_size = 1024",
@@ -107,7 +107,7 @@ def test_one_load_opens_its_checkpoint_once(hf_dir, converted, tmp_path, monkeyp
     """Each storage question is a round trip on gs://: t5tpu.load, and a run's
     INITIAL_CHECKPOINT_PATH, find the format and open the reader once, then pass them along."""
     detected, opened = [], []
-    detect = conversion.detect_format
+    detect = loader.detect_format
 
     def counted_detect(path, *args, **kwargs):
         detected.append(path)
@@ -118,8 +118,8 @@ def test_one_load_opens_its_checkpoint_once(hf_dir, converted, tmp_path, monkeyp
             opened.append(directory)
             super().__init__(directory)
 
-    monkeypatch.setattr(conversion, "detect_format", counted_detect)
-    monkeypatch.setitem(conversion.IMPORTERS, "hf", CountedHF)
+    monkeypatch.setattr(loader, "detect_format", counted_detect)
+    monkeypatch.setitem(loader.IMPORTERS, "hf", CountedHF)
     directory, params = hf_dir
     step_dir = f"{converted}/checkpoint_0"
     for path, found, readers in (
@@ -235,6 +235,7 @@ def test_t5x_checkpoint_converts_with_its_step(tmp_path):
 def test_model_from_gin_without_shapes_reads_the_gin_files_alone():
     """t5tpu.load of a T5X or Mesh TF checkpoint with gin files passes no shapes: the names and
     shapes are checked when the parameters are read."""
-    config, vocabulary = conversion.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    model = loader.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    config, vocabulary = model.config, model.vocabulary
     assert (config.emb_dim, config.num_encoder_layers, config.vocab_size) == (128, 2, 1024)
     assert vocabulary.vocab_size == 1024

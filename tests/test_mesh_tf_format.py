@@ -14,7 +14,7 @@ from flax import traverse_util
 from t5x_checkpoints import CONFIGS, random_params, t5x_layout
 
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, conversion, mesh_tf_format
+from t5tpu.formats import checkpoint_reader, loader, mesh_tf_format
 from t5tpu.model.network import T5Config
 
 STEP = 1_000_000
@@ -121,8 +121,8 @@ def test_the_reader_sees_the_t5_library_names(checkpoint):
 def test_imports_every_parameter_exactly(checkpoint, given):
     config, params, directory, prefix = checkpoint
     path = directory if given == "directory" else prefix
-    assert conversion.detect_format(path) == "mesh_tf"
-    imported = conversion.open_checkpoint(path).load(checkpoint_reader.abstract_params(config))
+    assert loader.detect_format(path) == "mesh_tf"
+    imported = loader.open_checkpoint(path).load(checkpoint_reader.abstract_params(config))
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = _expected(params)
     assert sorted(flat) == sorted(expected)
@@ -135,7 +135,7 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     config, _, directory, prefix = checkpoint
     assert mesh_tf_format.MeshTFCheckpoint(directory).config() == config
     assert mesh_tf_format.MeshTFCheckpoint(prefix).step == STEP
-    assert conversion.open_checkpoint(directory).step == STEP
+    assert loader.open_checkpoint(directory).step == STEP
 
 
 def test_rms_norm_spelling_is_accepted(tmp_path):

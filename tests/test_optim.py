@@ -1,5 +1,6 @@
 """The learning rate training logs is the one the optimizer applies at that step."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -35,3 +36,36 @@ def test_adafactor_rate_counts_from_its_fresh_state():
         logged, [0.0, 0.0025, 0.005, 0.0075, 0.01, 0.01 * np.sqrt(4 / 5)], rtol=1e-6
     )
     np.testing.assert_allclose(float(constant.learning_rate(constant_state)), 0.003, rtol=1e-6)
+
+
+def _adapted_tree():
+    """One adapted kernel as a LoRA run's state holds it: lora_a random, lora_b zero."""
+    rng = np.random.default_rng(0)
+    return {
+        "query": {
+            "kernel": jnp.asarray(rng.normal(size=(16, 8)), jnp.float32),
+            "lora_a": jnp.asarray(rng.uniform(-0.1, 0.1, size=(16, 4)), jnp.float32),
+            "lora_b": jnp.zeros((4, 8), jnp.float32),
+        }
+    }
+
+
+def test_adafactor_steps_lora_adapters_unscaled_and_other_weights_by_their_rms():
+    """lora_b starts at zero: scaled by its RMS its step would stay at the 1e-3 floor. Adapters
+    take the plain step whatever multiply_by_parameter_scale says, so a LoRA run needs no
+    binding; other weights keep T5's parameter-scaled step."""
+    params = _adapted_tree()
+    grads = jax.tree_util.tree_map(jnp.ones_like, params)
+    steps = {}
+    for scaled in (True, False):
+        opt = optim.adafactor(learning_rate=0.01, multiply_by_parameter_scale=scaled)
+        updates, _ = opt.update(grads, opt.init(params), params)
+        steps[scaled] = jax.tree_util.tree_map(np.asarray, updates)
+    for name in ("lora_a", "lora_b"):
+        np.testing.assert_array_equal(steps[True]["query"][name], steps[False]["query"][name])
+        np.testing.assert_allclose(np.abs(steps[True]["query"][name]), 0.01, rtol=1e-6)
+    kernel = params["query"]["kernel"]
+    rms = float(jnp.sqrt(jnp.mean(jnp.square(kernel))))
+    np.testing.assert_allclose(
+        steps[True]["query"]["kernel"], steps[False]["query"]["kernel"] * rms, rtol=1e-6
+    )

@@ -21,13 +21,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import reference_decoding
 import seqio
 from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
 from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
-from t5tpu.model import decoding, layers, precision
+from t5tpu.model import decoding, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.model.engine import Engine, Request
 from t5tpu.model.network import Transformer
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import optim, trainer
@@ -128,21 +130,58 @@ def _tiny_network(dtype: str, **overrides):
 @pytest.mark.parametrize(
     "overrides", [{}, {"mlp_activations": ("relu",), "logits_via_embedding": True}]
 )
-def test_train_gradient_and_decoding_stay_on_bf16_dots(overrides):
+def test_train_gradient_and_the_engines_programs_stay_on_bf16_dots(overrides):
     """Every matmul of the network: dense layers, attention, relative position bias, logits
-    (tied, T5 1.0, or logits_dense), forward and backward; and decoding with bf16 weights."""
+    (tied, T5 1.0, or logits_dense), forward and backward; and every program the decoding
+    engine compiles (insertion, segment, beam search, scoring) with its bf16 weights, at one
+    row and at several."""
     module, params, tokens = _tiny_network("bfloat16", **overrides)
 
     def loss(params):
         return jnp.mean(module.apply({"params": params}, tokens, tokens[:, :8]))
 
     assert_all_bf16(compiled_dots(jax.grad(loss), params))
-    cast = precision.cast_params(params, BF16)
-    for rows in (1, 2):
-        decode = lambda p, x: decoding.decode(module, p, x, 4, eos_id=1)
-        assert_all_bf16(compiled_dots(decode, cast, tokens[:rows]))
-    beams = lambda p, x: decoding.beam_search(module, p, x, 4, 1, num_beams=2)[0]
-    assert_all_bf16(compiled_dots(beams, cast, tokens[:1]))
+    for texts in _engine_program_texts(module.config, params).values():
+        assert_all_bf16(dot_operand_dtypes(texts))
+
+
+def _engine_program_texts(config, params) -> dict[str, str]:
+    """The compiled HLO of each of the engine's programs, by name and row count."""
+    model = EncoderDecoderModel(config, seqio.PassThroughVocabulary(config.vocab_size, eos_id=1))
+    partitioner = Partitioner()
+    shardings = jax.tree_util.tree_map(lambda _: partitioner.replicated(), params)
+    engine = Engine(
+        network=model,
+        params=params,
+        param_shardings=shardings,
+        partitioner=partitioner,
+        batch_size=8,
+        max_input_length=16,
+        max_target_length=4,
+        smaller_batches=True,
+    )
+    greedy = Request(decoding.DecodingSettings(), 4)
+    beams = Request(decoding.DecodingSettings(num_beams=2), 4)
+    texts, p = {}, engine.params
+    for count in engine.slot_counts:  # 2 and 8 rows: inserts of 1 and 2
+        shape = slot_batch.Shape(count, 16, 4)
+        programs, state = engine.programs_of(greedy, shape), engine.states.take(p, shape)
+        size = slot_batch.insert_size(count)
+        rows = (
+            np.zeros((size, 16), np.int32),
+            np.zeros(size, np.int32),
+            np.zeros((size, 2), np.uint32),
+        )
+        lowered = {
+            "insert": programs.insert.lower(p, state, *rows),
+            "segment": programs.segment.lower(p, state, np.int32(1), np.int32(4)),
+            "beam": engine._build_beam(beams, count, 16).lower(p, np.zeros((count, 16), np.int32)),
+            "score": engine._build_score(None, count, 16, 4).lower(
+                p, *(np.zeros((count, n), np.int32) for n in (16, 4, 4))
+            ),
+        }
+        texts |= {f"{name} {count}": low.compile().as_text() for name, low in lowered.items()}
+    return texts
 
 
 def test_float32_is_plain_float32():
@@ -182,7 +221,9 @@ def test_bf16_decodes_like_float32_on_the_hf_fixtures(saved, variant):  # noqa: 
 
     def greedy(config, params):
         module = Transformer(config)
-        return jax.jit(lambda p, x: decoding.decode(module, p, x, 10, eos_id=1))(params, inputs)
+        return jax.jit(lambda p, x: reference_decoding.decode(module, p, x, 10, eos_id=1))(
+            params, inputs
+        )
 
     expected = np.asarray(greedy(config, params))
     np.testing.assert_array_equal(greedy(bf16, cast), expected)

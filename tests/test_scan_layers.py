@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+import reference_decoding
 from fake_devices import padded_batch, run_script_on_eight_devices
 from jax.sharding import PartitionSpec as P
 from tiny import tiny_config
@@ -190,7 +191,7 @@ def test_scanned_greedy_and_beam_decoding_give_the_same_tokens(params):
 
     def decode(config, p):
         def both(p):
-            greedy = decoding.decode(Transformer(config), p, enc, 7, eos_id=1)
+            greedy = reference_decoding.decode(Transformer(config), p, enc, 7, eos_id=1)
             beams = decoding.beam_search(Transformer(config), p, enc, 7, eos_id=1, num_beams=3)
             return greedy, beams
 
@@ -262,6 +263,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     from t5tpu.formats import (
         conversion,
         hf_format,  # imports tensorflow: kept out of the 8-device worker
+        loader,
     )
     from t5tpu.formats.vocabulary_source import VocabularySource
 
@@ -269,7 +271,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     abstract = _abstract(stacked)
     # A t5tpu checkpoint_N directory, as INITIAL_CHECKPOINT_PATH.
     step_dir = conversion.save_params(str(tmp_path / "t5tpu"), 0, unrolled)
-    loaded = conversion.open_checkpoint(step_dir).load(abstract, _single_device(abstract))
+    loaded = loader.open_checkpoint(step_dir).load(abstract, _single_device(abstract))
     assert_trees_equal(jax.device_get(loaded), stacked)
     # A Hugging Face directory, read by its importer (layers_N) and then stacked.
     hf_dir = str(tmp_path / "hf")
@@ -278,7 +280,7 @@ def test_initial_checkpoints_load_into_a_scanned_model(tmp_path, params):
     bundled = VocabularySource("sentencepiece", vocab.bundled_vocabulary_file(), 0)
     hf_format.export(hf_params, config, hf_dir, bundled)
     expected = layer_stacking.stack_layers(hf_params)
-    loaded = conversion.open_checkpoint(hf_dir).load(_abstract(expected))
+    loaded = loader.open_checkpoint(hf_dir).load(_abstract(expected))
     assert_trees_equal(loaded, expected)
 
 

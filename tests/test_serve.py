@@ -274,12 +274,32 @@ def test_64_concurrent_clients_are_all_answered_correctly_in_shared_batches(serv
         texts = [INPUTS[(number + i) % len(INPUTS)] for i in range(3)]
         return [predict(served.port, [text])["predictions"] == alone[text] for text in texts]
 
+    lowered = _metric(served.port, "t5tpu_serve_programs_lowered")
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
         answers = list(pool.map(client, range(64)))
     assert all(all(correct) for correct in answers)
     rows, calls = (now - then for now, then in zip(_batches(served.port), before, strict=True))
     assert rows == 64 * 3
     assert calls < rows  # requests that arrived together were decoded together
+    # Every program the load needed was compiled before the server said it was ready.
+    assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered
+
+
+@pytest.mark.slow
+def test_the_server_compiles_the_documented_programs_before_it_is_ready(served):
+    # docs/SERVING.md: row counts x input buckets x 2 (an insertion and a segment); here
+    # --max_batch_size=4 (row counts 1 and 4) and 96 input tokens (buckets 16, 32, 64, 96).
+    assert "compiling 16 decoding programs (2 batch sizes)" in served.output()
+    assert "16 programs ready" in served.output()
+
+
+def _metric(port: int, name: str) -> float:
+    status, _, text = request(port, "GET", "/metrics")
+    assert status == 200
+    (value,) = [
+        float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")
+    ]
+    return value
 
 
 def _batches(port: int) -> tuple[float, float]:
@@ -433,6 +453,7 @@ class StandInEngine:
     vocab_size = 100
     batch_sizes = (1, 2, 4)
     program_count = 0
+    programs_needed = 0
     adapter_names = ()
 
     def __init__(self):
@@ -770,8 +791,7 @@ def test_the_port_and_routes_come_from_vertex_ai_variables():
 
 
 def test_batch_sizes_and_input_buckets():
-    assert engine.slot_counts(32, 1) == (1, 2, 4, 8, 16, 32)
-    assert engine.slot_counts(24, 1) == (1, 2, 4, 8, 16, 24)
+    assert engine.slot_counts(32, 1) == (2, 8, 32)
     assert engine.slot_counts(8, 4) == (4, 8)
     assert engine.input_buckets(96) == (16, 32, 64, 96)
     assert engine.input_buckets(8) == (8,)

@@ -106,18 +106,18 @@ def served(runs):
             max_instances=8, max_body_bytes=65536, truncation="warn", max_queue=64
         ),
         batching=batcher.BatchLimits(max_batch_size=4, max_wait_s=0.01, max_queue=64),
-        load=functools.partial(model_setup.load_engine, setup, max_batch_size=4, say=print),
+        load=functools.partial(model_setup.load_worker, setup, max_batch_size=4, say=print),
     )
     sock = server.bind("127.0.0.1", 0)
     port = sock.getsockname()[1]
     thread = threading.Thread(target=running.server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 300
-    while running.service.engine is None and running.worker.error is None:
+    while running.service.worker is None and running.worker.error is None:
         assert time.monotonic() < deadline, "the server did not get ready"
         time.sleep(0.1)
     assert running.worker.error is None, running.worker.error
-    yield port, running.service.engine
+    yield port, running.service.worker
     running.server.should_exit = True
     thread.join(timeout=60)
 
@@ -148,13 +148,25 @@ def test_each_adapter_answers_as_its_run_and_no_adapter_as_the_base(served, runs
         assert np.abs(scores[one] - scores[other]).max() > 1e-3, (one, other, scores)
 
 
+def test_the_base_and_every_adapter_share_one_set_of_programs(served):
+    port, worker = served
+    counts = []
+    for name in (None, "early", "late", None):
+        body = {"instances": INPUTS, "parameters": _parameters(name)}
+        assert _request(port, "POST", "/v1/predict", body)[0] == 200
+        counts.append(worker.program_count)
+    # The first request compiled what its rows needed; the others, of other adapters, nothing.
+    assert counts[0] > 0 and len(set(counts)) == 1, counts
+    assert worker.engine is worker.adapters.engine
+
+
 def test_the_base_is_held_once_every_adapter_referencing_its_arrays(served):
     _, worker = served
-    base = jax.tree_util.tree_leaves(worker.engine.params)
+    base = jax.tree_util.tree_leaves(lora.split(worker.adapters.params[None]["params"])[0])
     held = {id(x): x.nbytes for x in base}
     adapter_bytes = 0
-    for name in ("early", "late"):
-        own_base, adapters = lora.split(worker.adapters.params[name])
+    for name in (None, "early", "late"):  # the base runs as an adapter of zeros
+        own_base, adapters = lora.split(worker.adapters.params[name]["params"])
         leaves = jax.tree_util.tree_leaves(own_base)
         assert len(leaves) == len(base) and all(a is b for a, b in zip(leaves, base, strict=True))
         adapter_leaves = jax.tree_util.tree_leaves(adapters)

@@ -19,7 +19,7 @@ from t5x_checkpoints import (
 )
 
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, conversion, t5x_format
+from t5tpu.formats import checkpoint_reader, loader, t5x_format
 from t5tpu.model.network import T5Config
 
 
@@ -49,16 +49,16 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
     reader = t5x_format.T5XCheckpoint(path)
     assert reader.config() == config
     assert reader.step == STEP
-    assert conversion.open_checkpoint(path).step == STEP
+    assert loader.open_checkpoint(path).step == STEP
 
 
 def test_open_checkpoint_detects_the_directory_and_the_index_file(checkpoint):
     config, params, path = checkpoint
     abstract = checkpoint_reader.abstract_params(config)
-    assert conversion.detect_format(path) == "t5x"
-    assert conversion.detect_format(os.path.join(path, "checkpoint")) == "t5x"
+    assert loader.detect_format(path) == "t5x"
+    assert loader.detect_format(os.path.join(path, "checkpoint")) == "t5x"
     for given in (path, os.path.join(path, "checkpoint")):
-        imported = conversion.open_checkpoint(given).load(abstract)
+        imported = loader.open_checkpoint(given).load(abstract)
         np.testing.assert_array_equal(
             imported["token_embedder"]["embedding"], params["token_embedder/embedding"]
         )
@@ -69,7 +69,7 @@ def test_shardings_place_each_parameter(checkpoint):
     abstract = checkpoint_reader.abstract_params(config)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
-    imported = conversion.open_checkpoint(path).load(abstract, shardings)
+    imported = loader.open_checkpoint(path).load(abstract, shardings)
     leaves = jax.tree_util.tree_leaves(imported)
     assert all(isinstance(x, jax.Array) and x.sharding == device for x in leaves)
 

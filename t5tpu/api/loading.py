@@ -12,96 +12,25 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging as std_logging
-import os
 
 from absl import logging
-from etils import epath
 
 from t5tpu.api.model import Shapes, T5Model
 from t5tpu.data import vocab
-from t5tpu.errors import UserError
-from t5tpu.formats import conversion
+from t5tpu.formats import loader
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
-from t5tpu.model.network import T5Config
 from t5tpu.partitioning import Partitioner
 from t5tpu.runtime import compilation_cache, lazy_imports
-from t5tpu.storage import adapted_checkpoints, checkpoints
-from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
 
 # The shapes parameters are laid out for; any length works at call time (relative positions).
 _INIT_LENGTHS = (8, 8)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Description:
-    """What a checkpoint says about its model: geometry, vocabulary (None: unknown, so only
-    `logits`, `score` on ids and `generate_ids` work) and the checkpoint, opened."""
-
-    config: T5Config
-    vocabulary: object | None
-    checkpoint: conversion.OpenedCheckpoint
-
-
-def _newest_checkpoint(model_dir: str, step: int | None) -> str:
-    """checkpoint_<step> of a MODEL_DIR: its newest readable one when step is None."""
-    steps = checkpoints.steps_to_restore(model_dir, "latest" if step is None else step)
-    return paths.checkpoint_dir(model_dir, steps[0])
-
-
-def _is_model_dir(path: str) -> bool:
-    folder = epath.Path(path)
-    return folder.is_dir() and any(folder.glob(f"{paths.STEP_PREFIX}_*"))
-
-
 def checkpoint_path(path: str, step: int | None = None) -> str:
     """The checkpoint `load(path, step=step)` reads: a MODEL_DIR's newest readable one (or
     `step`'s), else `path` itself."""
-    return _newest_checkpoint(path, step) if _is_model_dir(path) else path
-
-
-def _t5tpu_description(
-    checkpoint: conversion.OpenedCheckpoint, gin_files: list[str]
-) -> _Description:
-    """A t5tpu checkpoint, described by `gin_files` or else the model.gin or config.gin beside
-    it (without either, its geometry as the shapes tell and no vocabulary)."""
-    run_dir = checkpoint.step_dir.model_dir
-    beside = [os.path.join(run_dir, name) for name in (paths.MODEL_GIN, paths.TRAIN_CONFIG)]
-    gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
-    mngr = checkpoints.manager(run_dir, read_only=True)
-    shapes = adapted_checkpoints.param_shapes(mngr, checkpoint.step)
-    config, vocabulary = conversion.model_from_gin(gin_files, shapes)
-    if vocabulary is None and gin_files:
-        # A run that bound no vocabulary trained with the bundled one, which default_vocabulary
-        # returns unbound.
-        vocabulary = vocab.default_vocabulary()
-    return _Description(config, vocabulary, checkpoint)
-
-
-def _imported_description(
-    checkpoint: conversion.OpenedCheckpoint, gin_files: list[str]
-) -> _Description:
-    """A Hugging Face, T5X or Mesh TF checkpoint: its own description (config.json and
-    spiece.model; T5X and Mesh TF record neither vocabulary nor activations, so these are
-    T5 1.1's, without a vocabulary) unless `gin_files` give the model."""
-    if gin_files:  # names and shapes are checked against the checkpoint when it is read
-        config, vocabulary = conversion.model_from_gin(gin_files, None)
-        return _Description(config, vocabulary, checkpoint)
-    reader = checkpoint.reader
-    return _Description(reader.config(), reader.vocabulary().load(), checkpoint)
-
-
-def _describe(path: str, step: int | None, gin_files: list[str]) -> _Description:
-    # T5X's model dirs hold checkpoint_<step> folders too: load one of those by its own path.
-    if _is_model_dir(path):
-        path = _newest_checkpoint(path, step)
-    elif step is not None:
-        raise UserError(f"step={step} picks a checkpoint of a t5tpu MODEL_DIR; {path} is not one")
-    # Opened once: each storage question is a round trip on gs://.
-    checkpoint = conversion.open_checkpoint(path)
-    if checkpoint.format == "t5tpu":
-        return _t5tpu_description(checkpoint, gin_files)
-    return _imported_description(checkpoint, gin_files)
+    return loader.checkpoint_path(path, step)
 
 
 def load(
@@ -134,15 +63,20 @@ def load(
     compilation_cache.enable()
     lazy_imports.quiet_tensorflow_imports()
     with library_notes_hidden():
-        description = _describe(str(path), step, list(gin_files))
+        checkpoint = loader.open_checkpoint(str(path), step=step, setting="path")
+        described = checkpoint.model(gin_files)
         partitioner = partitioner or Partitioner()
-        vocabulary = description.vocabulary or _NoVocabulary()
-        config = description.config
+        vocabulary = described.vocabulary
+        if vocabulary is None and described.gin_files and checkpoint.step_dir:
+            # A run that bound no vocabulary trained with the bundled one, which
+            # default_vocabulary returns unbound.
+            vocabulary = vocab.default_vocabulary()
+        config = described.config
         if dtype is not None:
             config = dataclasses.replace(config, dtype=dtype)
-        model = EncoderDecoderModel(config, vocabulary)
+        model = EncoderDecoderModel(config, vocabulary or _NoVocabulary())
         abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
-        params = description.checkpoint.load(abstract, shardings)
+        params = checkpoint.load(abstract, shardings)
     shapes = Shapes.for_devices(
         batch_size=batch_size,
         max_input_length=max_input_length,
@@ -155,8 +89,8 @@ def load(
         param_shardings=shardings,
         partitioner=partitioner,
         shapes=shapes,
-        has_vocabulary=description.vocabulary is not None,
-        source=description.checkpoint.path,
+        has_vocabulary=vocabulary is not None,
+        source=checkpoint.path,
     )
 
 

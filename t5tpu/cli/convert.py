@@ -3,9 +3,12 @@
     t5tpu convert [--from={hf,t5x,mesh_tf}] --input=PATH --output_dir=DIR [--overwrite]
     t5tpu convert --to=hf --input=CHECKPOINT --output_dir=DIR [--gin_file=MODEL_GIN ...]
         [--lora={merged,adapters}]
+    t5tpu convert --lora=adapters --input=LORA_CHECKPOINT --output_dir=DIR
 
-This module is the command's flags; the conversion is t5tpu.formats.conversion's, imported once the
-flags have been parsed (it loads jax, orbax and TensorFlow).
+--lora writes Hugging Face files (--to=hf is implied).
+
+This module is the command's flags; the conversion is t5tpu.formats.conversion's, imported once
+the flags have been parsed (it loads jax, orbax and TensorFlow).
 """
 
 from __future__ import annotations
@@ -13,11 +16,12 @@ from __future__ import annotations
 import argparse
 
 from t5tpu.cli.tool_parser import ToolParser
+from t5tpu.errors import UserError
 
 NAME = "convert"
 SUMMARY = "pretrained weights in (Hugging Face, T5X, Mesh TF) and out (--to=hf)"
 EXAMPLE = "t5tpu convert --input=/path/to/hf_t5_dir --output_dir=/tmp/t5_base"
-# The formats --from names: t5tpu.formats.conversion.IMPORTERS' keys, and t5tpu's own.
+# The formats --from names: t5tpu.formats.loader.IMPORTERS' keys, and t5tpu's own.
 SOURCES = ("hf", "t5x", "mesh_tf", "t5tpu")
 _DESCRIPTION = """\
 Convert T5 checkpoints. By default a Hugging Face directory, a T5X checkpoint_<step> or a Mesh TF \
@@ -28,8 +32,9 @@ it with `t5tpu train --gin_file=EXPERIMENT.gin --gin_file=DIR/model.gin`.
 With --to=hf, a t5tpu checkpoint_<step> (or a MODEL_DIR's newest) becomes a Hugging Face \
 directory; what shapes cannot tell (gated activation, relative position distance, vocabulary) \
 comes from --gin_file, else from the model.gin or config.gin beside the checkpoint. A LoRA run's \
-checkpoint is written merged into its base, or with --lora=adapters as its adapters in PEFT's \
-format (adapter_config.json + adapter_model.safetensors) for the Hugging Face export of the base."""
+checkpoint (or MODEL_DIR) is written merged into its base, or with --lora=adapters as its adapters \
+in PEFT's format (adapter_config.json + adapter_model.safetensors) for the Hugging Face export of \
+the base; --lora implies --to=hf."""
 
 
 def parser() -> ToolParser:
@@ -40,7 +45,9 @@ def parser() -> ToolParser:
         choices=SOURCES,
         help="format of --input (default: detected)",
     )
-    parser.add_argument("--to", choices=["t5tpu", "hf"], default="t5tpu", help="format to write")
+    parser.add_argument(
+        "--to", choices=["t5tpu", "hf"], help="format to write (default: t5tpu; hf with --lora)"
+    )
     parser.add_argument(
         "--input", required=True, metavar="PATH", help="checkpoint to read (local or gs://)"
     )
@@ -58,9 +65,8 @@ def parser() -> ToolParser:
     parser.add_argument(
         "--lora",
         choices=["merged", "adapters"],
-        default="merged",
-        help="--to=hf of a LoRA run: the base with the adapters merged, or the adapters alone "
-        "in PEFT's format",
+        help="a LoRA run's checkpoint to Hugging Face: the base with the adapters merged "
+        "(the default), or the adapters alone in PEFT's format",
     )
     return parser
 
@@ -75,14 +81,16 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def run(args: argparse.Namespace) -> int:
     from t5tpu.formats import conversion
 
-    if args.to == "hf":
+    if args.lora and args.to == "t5tpu":
+        raise UserError(f"--lora={args.lora} writes Hugging Face files; drop --to=t5tpu")
+    if args.lora or args.to == "hf":
         conversion.to_hf(
             input_path=args.input,
             output_dir=args.output_dir,
             source=args.source,
             overwrite=args.overwrite,
             gin_files=args.gin_file,
-            lora_output=args.lora,
+            lora_output=args.lora or "merged",
         )
     else:
         conversion.to_t5tpu(

@@ -7,6 +7,7 @@ flags are answered before jax, TensorFlow or seqio is imported, so they answer a
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
 import sys
 
@@ -143,6 +144,9 @@ def run() -> None:
     # Our progress and results are printed; orbax, seqio and gin log routine notes as warnings
     # and errors (gin logs every search path it tries), so only fatal library logs show.
     logging.set_verbosity(logging.FATAL)
+    # Before absl's app starts (the helper commands, `t5tpu serve` among them, run without it),
+    # Python's root logger, which gin logs to, would print through its last-resort handler.
+    std_logging.getLogger().setLevel(std_logging.CRITICAL)
     words = sys.argv[1:]
     if words and words[0] in commands.TOOLS:
         run_tool(commands.TOOLS[words[0]], words[1:])

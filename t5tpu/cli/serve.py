@@ -158,6 +158,6 @@ def run(args: argparse.Namespace) -> int:
             max_queue=args.max_queue,
         ),
         load=functools.partial(
-            model_setup.load_engine, setup, max_batch_size=args.max_batch_size, say=server.say
+            model_setup.load_worker, setup, max_batch_size=args.max_batch_size, say=server.say
         ),
     )

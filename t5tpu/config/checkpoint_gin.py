@@ -10,15 +10,13 @@ wipes the process's settings.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 import gin
 
 from t5tpu import package_files
 from t5tpu.config import gin_setup
 
-T = TypeVar("T")
 # Model files leave dropout to the run files; a model read for its parameters has none.
 _MODEL_DEFAULTS = "DROPOUT_RATE = 0.0"
 # A run's operative config.gin records the model's bindings in the scope of the MODEL macro
@@ -52,10 +50,12 @@ def _caller_config_set_aside() -> Iterator[None]:
         config._set_config_is_locked(locked)  # noqa: SLF001
 
 
-def build_from(gin_files: list[str], build: Callable[[], T]) -> T:
-    """What `build()` returns (a T5Config, a vocabulary) with `gin_files` parsed and nothing
-    else, in the model's scope; gin files are found as on the command line. gin's own errors
-    (OSError, ValueError, SyntaxError) pass through for the caller to name the checkpoint."""
+@contextlib.contextmanager
+def parsed(gin_files: list[str]) -> Iterator[None]:
+    """A block in which `gin_files` are gin's config and nothing else, in the model's scope:
+    what it builds (a T5Config, a vocabulary) is the checkpoint's model; the caller's config is
+    back after it. gin files are found as on the command line; gin's own errors (OSError,
+    ValueError, SyntaxError) pass through for the caller to name the checkpoint."""
     gin_setup.import_configurables()
     gin_setup.use_file_readers()
     with _caller_config_set_aside():
@@ -64,12 +64,12 @@ def build_from(gin_files: list[str], build: Callable[[], T]) -> T:
         gin.parse_config(_MODEL_DEFAULTS)
         gin.parse_config_files_and_bindings(gin_files, [], finalize_config=False)
         with gin.config_scope(_MODEL_SCOPE):
-            return build()
+            yield
 
 
 def is_bound(configurable: str, parameter: str) -> bool:
     """Whether `configurable.parameter` is bound, unscoped or in the model's scope; for use
-    inside `build`."""
+    inside `parsed`'s block."""
     for key in (f"{configurable}.{parameter}", f"{_MODEL_SCOPE}/{configurable}.{parameter}"):
         try:
             gin.query_parameter(key)

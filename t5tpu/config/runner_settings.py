@@ -35,6 +35,14 @@ class InferSettings:
     truncation: str
 
 
+# What INFER_TRUNCATION chooses between, and what each does with an input that is too long
+# (`t5tpu infer` and `t5tpu serve`).
+TRUNCATION = {
+    "warn": "truncate inputs longer than TASK_FEATURE_LENGTHS['inputs'], with a warning",
+    "error": "refuse them",
+}
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainSteps:
     """Where the experiment's training (runners.train.train) stops, for the evaluation that
@@ -44,9 +52,13 @@ class TrainSteps:
     relative_steps: bool
 
 
-def bound_settings(runner: Callable, settings: type[T]) -> T:
+def bound_settings(runner: Callable | str, settings: type[T]) -> T:
     """`settings` (a dataclass) with each field the value `runner`'s argument of that name is
-    bound to, else the runner's default, else None (gin.REQUIRED counts as unbound)."""
+    bound to, else the runner's default, else None (gin.REQUIRED counts as unbound). `runner`
+    may be the name gin knows it by: `t5tpu serve` reads infer's settings so, from a layer
+    below the runners (its configurable is registered once gin files are parsed)."""
+    if isinstance(runner, str):
+        runner = gin.get_configurable(runner)
     parameters = inspect.signature(runner).parameters
     values = {}
     for field in dataclasses.fields(settings):

@@ -1,16 +1,15 @@
-"""Batches as the compiled functions take them: host rows to global arrays on the mesh, and
-fixed-size zero-padded batches of a finite data set (evaluation and inference read every
-example on every host and place the full batch)."""
+"""Training batches as the compiled step takes them: this host's rows to global arrays on the
+mesh. (Evaluation and inference hand rows to the decoding engine, model/engine.py, which pads
+and places its own batches.)"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 
 import jax
 import numpy as np
 
 from t5tpu.partitioning import host_data_rows
-from t5tpu.runtime.lazy_imports import tf
 
 
 def examples_in(batch: Mapping[str, np.ndarray]) -> int:
@@ -36,28 +35,3 @@ def to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.NamedShard
         global_shape = (round(local.shape[0] * scale),) + local.shape[1:]
         placed[name] = jax.make_array_from_process_local_data(sharding, local, global_shape)
     return placed
-
-
-def full_batch_to_global(batch: Mapping[str, np.ndarray], sharding: jax.sharding.Sharding) -> dict:
-    """A batch that every host holds in full (evaluation, inference) -> global arrays."""
-    return {
-        k: jax.make_array_from_process_local_data(sharding, np.asarray(v), np.shape(v))
-        for k, v in batch.items()
-    }
-
-
-def padded_batches(ds: tf.data.Dataset, batch_size: int) -> Iterator[tuple[np.ndarray, dict]]:
-    """Batches of an enumerated, finite dataset of (index, features), zero-padded to a fixed size
-    so one compiled function serves them all. Yields (indices of the real rows, features)."""
-    for indices, features in ds.batch(batch_size).as_numpy_iterator():
-        yield indices, _padded(features, batch_size)
-
-
-def _padded(features: dict, batch_size: int) -> dict:
-    missing = batch_size - len(next(iter(features.values())))
-    if not missing:
-        return features
-    return {
-        k: np.concatenate([v, np.zeros((missing,) + v.shape[1:], v.dtype)])
-        for k, v in features.items()
-    }

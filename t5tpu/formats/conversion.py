@@ -1,7 +1,6 @@
-"""Pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging Face).
-
-`open_checkpoint` is what the train runner (INITIAL_CHECKPOINT_PATH) and `t5tpu.load` call.
-`to_t5tpu` and `to_hf` are what `t5tpu convert` runs (its flags are t5tpu.cli.convert's):
+"""`t5tpu convert`: pretrained T5 weights in (Hugging Face, T5X, Mesh TF) and out (Hugging
+Face, PEFT). `to_t5tpu` and `to_hf` are what it runs (its flags are t5tpu.cli.convert's); the
+checkpoints are opened and read by formats/loader.py, as every command reads them:
 
 - to_t5tpu writes DIR/checkpoint_<step>/params (orbax, parameters only; the step is the
   source's: 0 for Hugging Face) and DIR/model.gin: the model's geometry, the source's vocabulary
@@ -10,7 +9,8 @@
 - to_hf writes a Hugging Face directory from a t5tpu checkpoint_<step> (or the newest one of a
   MODEL_DIR). What shapes cannot tell (the gated activation, the relative position distance,
   the vocabulary) comes from the gin files given, else from the model.gin or config.gin beside
-  the checkpoint.
+  the checkpoint. A LoRA run's checkpoint is written merged into its base, or its adapters
+  alone in PEFT's format.
 """
 
 from __future__ import annotations
@@ -19,44 +19,26 @@ import contextlib
 import dataclasses
 import os
 import shutil
-import tempfile
 from collections.abc import Iterator
 
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
 
-from t5tpu.config import checkpoint_gin
-from t5tpu.data import vocab
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
     checkpoint_reader,
     hf_format,
     hf_tokenizer,
-    mesh_tf_format,
+    loader,
     peft_format,
-    t5x_format,
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import layer_stacking
 from t5tpu.model.network import T5Config
-from t5tpu.storage import (
-    adapted_checkpoints,
-    atomic_files,
-    checkpoints,
-    remote,
-    save_guards,
-    user_files,
-)
-from t5tpu.storage.model_dir import MODEL_GIN, TRAIN_CONFIG, checkpoint_dir, step_of
+from t5tpu.storage import atomic_files, checkpoints, remote, save_guards
+from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
 
-# The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
-IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
-    "hf": hf_format.HFCheckpoint,
-    "t5x": t5x_format.T5XCheckpoint,
-    "mesh_tf": mesh_tf_format.MeshTFCheckpoint,
-}
 # Geometry fields written into model.gin, in this order.
 _GEOMETRY = (
     "vocab_size",
@@ -72,121 +54,9 @@ _GEOMETRY = (
     "relative_attention_max_distance",
 )
 
-# ---------------------------------------------------------------------------------------------
-# what the train runner calls
-
 
 def _absolute(path: str) -> str:
     return path if "://" in path else os.path.abspath(path)
-
-
-@dataclasses.dataclass(frozen=True)
-class StepDir:
-    """A t5tpu checkpoint_<step> directory: its MODEL_DIR (absolute, as orbax needs) and step."""
-
-    model_dir: str
-    step: int
-
-
-def _named_step_dir(path: str) -> StepDir | None:
-    """The StepDir that `path` names (checkpoint_<step>), from its name alone, else None."""
-    path = _absolute(path.rstrip("/"))
-    step = step_of(path)
-    return None if step is None else StepDir(os.path.dirname(path), step)
-
-
-def _t5tpu_step_dir(path: str) -> StepDir | None:
-    """The StepDir of a t5tpu checkpoint_<step> directory (it holds params/), else None."""
-    named = _named_step_dir(path)
-    return named if named and epath.Path(path, "params").is_dir() else None
-
-
-def detect_format(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> str:
-    """'hf', 't5x', 'mesh_tf' or 't5tpu' (an orbax checkpoint_<step> directory); `setting`
-    names the path in errors."""
-    remote.check_storage(path, setting)
-    # Every question below is one for storage: answered within the storage answer time, and
-    # a file that cannot be read (permissions) is one line.
-    try:
-        return remote.answered(lambda: _detected_format(path), path=path, setting=setting)
-    except OSError as e:
-        raise UserError(
-            f"{setting}={path} cannot be read ({e.strerror or e}); check its permissions"
-        ) from None
-
-
-def _detected_format(path: str) -> str:
-    if not epath.Path(path).exists() and not epath.Path(f"{path}.index").exists():  # Mesh TF
-        raise UserError(f"checkpoint {path} does not exist")
-    if _t5tpu_step_dir(path):
-        return "t5tpu"
-    for source, reader in IMPORTERS.items():
-        if reader.recognizes(path):
-            return source
-    raise UserError(
-        f"{path} is not a checkpoint t5tpu reads: expected a Hugging Face directory "
-        "(config.json + model.safetensors), a T5X checkpoint_<step> directory (msgpack "
-        "`checkpoint` file), a Mesh TF model.ckpt-<step> prefix or its directory, or a t5tpu "
-        "checkpoint_<step> directory"
-    )
-
-
-def _single_device(abstract_params):
-    device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    return jax.tree_util.tree_map(lambda _: device, abstract_params)
-
-
-@dataclasses.dataclass(frozen=True)
-class OpenedCheckpoint:
-    """A checkpoint whose format was found once (each storage question is a round trip on
-    gs://): a t5tpu checkpoint_<step> (`step_dir`) or one read through `reader`."""
-
-    path: str
-    format: str  # 'hf', 't5x', 'mesh_tf' or 't5tpu'
-    reader: checkpoint_reader.CheckpointReader | None = None
-    step_dir: StepDir | None = None
-
-    @property
-    def step(self) -> int:
-        """The training step it was saved at (0 for Hugging Face)."""
-        return self.step_dir.step if self.step_dir else self.reader.step
-
-    def load(self, abstract_params, shardings=None):
-        """The parameters, as a tree like `abstract_params` (float32). Names and shapes are
-        checked against the model before anything is read: a mismatch is a UserError listing
-        them. With `shardings` (a tree of shardings like the parameters) each array is placed
-        as it is read; without, they are numpy arrays (t5tpu checkpoints come back on the first
-        device). Every format holds layers unrolled (layers_N); for a model that scans its
-        layers they are stacked after reading."""
-        if self.step_dir:
-            model_dir, step = self.step_dir.model_dir, self.step_dir.step
-            # A damaged one is refused in one line before orbax starts: a restore that fails
-            # part-way leaves its worker threads printing tracebacks.
-            checkpoints.check_readable(model_dir, step)
-            return adapted_checkpoints.restore_params(
-                checkpoints.manager(model_dir, read_only=True),
-                step,
-                abstract_params,
-                shardings if shardings is not None else _single_device(abstract_params),
-                load_base=load_base,  # a LoRA run's checkpoint: its base, adapters merged
-            )
-        unrolled, unrolled_shardings = layer_stacking.unrolled_targets(abstract_params, shardings)
-        params = self.reader.load(unrolled, unrolled_shardings)
-        return layer_stacking.stack_onto(params, abstract_params, shardings)
-
-
-def load_base(path: str, abstract_params, shardings):
-    """A LoRA run's base checkpoint (any format), as OpenedCheckpoint.load reads it."""
-    return open_checkpoint(path, "the LoRA run's base").load(abstract_params, shardings)
-
-
-def open_checkpoint(path: str, setting: str = "INITIAL_CHECKPOINT_PATH") -> OpenedCheckpoint:
-    """The checkpoint at `path`, in any format detect_format knows, its format found once;
-    `setting` names the path in errors."""
-    source = detect_format(path, setting)
-    if source == "t5tpu":
-        return OpenedCheckpoint(path, source, step_dir=_named_step_dir(path))
-    return OpenedCheckpoint(path, source, reader=IMPORTERS[source](path))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -337,13 +207,16 @@ def to_t5tpu(
     """Writes a Hugging Face, T5X or Mesh TF checkpoint (`source`, else detected) as
     output_dir/checkpoint_<step> plus model.gin; `command` is recorded in model.gin."""
     remote.check_storage(input_path, "--input")
-    source = source or detect_format(input_path, "--input")
-    if source not in IMPORTERS:
+    if not source and loader.is_model_dir(input_path):
+        source = "t5tpu"
+    source = source or loader.detect_format(input_path, "--input")
+    if source not in loader.IMPORTERS:
         raise UserError(
-            f"{input_path} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it"
+            f"{input_path} is a {source} checkpoint already; `t5tpu convert --to=hf` exports it "
+            "(a LoRA run's adapters alone, for PEFT: --lora=adapters)"
         )
     _check_output(output_dir, input_path, overwrite)
-    reader = IMPORTERS[source](input_path)
+    reader = loader.IMPORTERS[source](input_path)
     config = reader.config()
     step = reader.step
     params = reader.load(checkpoint_reader.abstract_params(config))
@@ -355,7 +228,7 @@ def to_t5tpu(
     if model_file:  # model.gin names the copy, which moves with the checkpoint
         copied = os.path.join(output_dir, hf_tokenizer.VOCABULARY_FILE)
         vocabulary = dataclasses.replace(vocabulary, model_file=copied)
-    assumed = "" if source == "hf" else _assumptions(config)
+    assumed = "" if source == "hf" else loader.assumptions(config)
     text = model_gin(
         config,
         checkpoint_path=checkpoint,
@@ -377,103 +250,30 @@ def to_t5tpu(
     )
 
 
-def _assumptions(config: T5Config) -> str:
-    gated = len(config.mlp_activations) == 2
-    activation = "gated-GELU feed-forward (wi_0/wi_1)" if gated else "ReLU feed-forward"
-    return f"{activation}, relative_attention_max_distance = 128"
-
-
-def _export_source(path: str) -> StepDir:
-    """A t5tpu checkpoint_<step> directory, or the newest in a MODEL_DIR."""
+def _export_source(path: str) -> loader.Checkpoint:
+    """A t5tpu checkpoint_<step> directory, or the newest in a MODEL_DIR, opened."""
     remote.check_storage(path, "--input")
-    found = _t5tpu_step_dir(path)
-    if found:
-        return found
     if not epath.Path(path).is_dir():
         raise UserError(f"--input={path} is not a directory; give a t5tpu checkpoint_<step>")
-    model_dir = _absolute(path.rstrip("/"))
-    try:
-        return StepDir(model_dir, checkpoints.steps_to_restore(model_dir, "latest")[0])
-    except UserError:
+    if not (loader.is_step_dir(path) or loader.is_model_dir(path)):
         raise UserError(
             f"--input={path} holds no t5tpu checkpoint; give a MODEL_DIR or its checkpoint_<step>"
-        ) from None
-
-
-@dataclasses.dataclass(frozen=True)
-class _GinModel:
-    config: T5Config
-    vocabulary: object | None  # None: the gin files bind none
-    shapes: dict[str, tuple]  # of the parameters the config gives
-
-
-def _gin_model() -> _GinModel:
-    """The model the parsed gin files bind, its parameters' shapes, and their vocabulary if
-    they bind one; all built while those files are the gin config (T5Config is a configurable
-    that gin records each time one is made)."""
-    bound = any(
-        checkpoint_gin.is_bound("default_vocabulary", parameter)
-        for parameter in ("sentencepiece_model_file", "kind")
-    )
-    config = T5Config()
-    return _GinModel(
-        config=config,
-        vocabulary=vocab.default_vocabulary() if bound else None,
-        shapes=checkpoints.flat_shapes(checkpoint_reader.abstract_params(config)),
-    )
-
-
-def model_from_gin(gin_files: list[str], shapes: dict[str, tuple] | None):
-    """(T5Config, seqio vocabulary or None) bound by the gin files, checked against the
-    checkpoint's shapes (None: checked when the parameters are read); without gin files, the
-    geometry the shapes give and no vocabulary."""
-    if not gin_files:
-        flat = {name: checkpoint_reader.flat_layout_shape(name, s) for name, s in shapes.items()}
-        config = checkpoint_reader.config_from_flat_shapes(flat)
-        print(f"no model gin file: assuming {_assumptions(config)}; no vocabulary", flush=True)
-        return config, None
-    try:
-        # Read apart from the caller's gin config, which is left as it was.
-        model = checkpoint_gin.build_from(gin_files, _gin_model)
-    except (OSError, ValueError, SyntaxError) as e:
-        raise UserError(f"cannot read the model from {', '.join(gin_files)}: {e}") from None
-    differences = shapes is not None and checkpoints.geometry_differences(shapes, model.shapes)
-    if differences:
-        raise UserError(
-            f"{', '.join(gin_files)} describe another model than the checkpoint ({differences}); "
-            "pass --gin_file with the checkpoint's model gin file"
         )
-    return model.config, model.vocabulary
-
-
-def _readable_gin_files(gin_files: list[str], staging: str) -> list[str]:
-    """`gin_files` with remote ones (the config.gin beside a gs:// checkpoint) copied into
-    `staging` through epath: gin opens files with open() alone."""
-    readable = []
-    for index, path in enumerate(gin_files):
-        if "://" in path:
-            local = os.path.join(staging, f"{index}_{os.path.basename(path)}")
-            epath.Path(local).write_bytes(user_files.read_bytes(path, what="--gin_file"))
-            path = local
-        readable.append(path)
-    return readable
+    return loader.open_checkpoint(path, setting="--input")
 
 
 LORA_OUTPUTS = ("merged", "adapters")
 
 
-def _export_adapters(mngr, step: int, record, config: T5Config, output_dir: str) -> None:
+def _export_adapters(checkpoint: loader.Checkpoint, config: T5Config, output_dir: str) -> None:
     """A LoRA checkpoint's adapters alone, in PEFT's format."""
-    abstract = checkpoint_reader.abstract_params(config)
-    adapters = adapted_checkpoints.restore_adapters(
-        mngr, step, abstract, _single_device(abstract), record
-    )
+    adapters = checkpoint.adapters(checkpoint_reader.abstract_params(config))
     with _written_output(output_dir) as folder:
-        peft_format.export(jax.device_get(adapters), record.settings, config, folder)
+        peft_format.export(jax.device_get(adapters), checkpoint.lora.settings, config, folder)
     print(
-        f"wrote the LoRA adapters of {checkpoint_dir(str(mngr.directory), step)} to {output_dir} "
-        f"in PEFT's format; load them with peft.PeftModel.from_pretrained(MODEL, "
-        f"'{output_dir}') onto the Hugging Face export of the base {record.base.path}",
+        f"wrote the LoRA adapters of {checkpoint.path} to {output_dir} in PEFT's format; load "
+        f"them with peft.PeftModel.from_pretrained(MODEL, '{output_dir}') onto the Hugging Face "
+        f"export of the base {checkpoint.lora.base.path}",
         flush=True,
     )
 
@@ -495,34 +295,26 @@ def to_hf(
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
     if lora_output not in LORA_OUTPUTS:
         raise UserError(f"--lora={lora_output!r}; use one of {', '.join(LORA_OUTPUTS)}")
-    source_dir = _export_source(input_path)
-    run_dir, step = source_dir.model_dir, source_dir.step
-    checkpoints.check_readable(run_dir, step)  # a half-copied one: one line, nothing written
+    checkpoint = _export_source(input_path)
+    # A half-copied one: one line, nothing written.
+    checkpoints.check_readable(checkpoint.step_dir.model_dir, checkpoint.step)
     _check_output(output_dir, input_path, overwrite)
-    mngr = checkpoints.manager(run_dir, read_only=True)
-    record = adapted_checkpoints.record_of(mngr, step)
-    if lora_output == "adapters" and record is None:
+    if lora_output == "adapters" and checkpoint.lora is None:
         raise UserError(f"--lora=adapters: {input_path} is not a LoRA run's checkpoint")
-    shapes = adapted_checkpoints.param_shapes(mngr, step)
-    beside = [os.path.join(run_dir, name) for name in (MODEL_GIN, TRAIN_CONFIG)]
-    gin_files = gin_files or [path for path in beside if epath.Path(path).exists()][:1]
-    with tempfile.TemporaryDirectory(prefix="t5tpu-gin-") as staging:
-        readable = _readable_gin_files(gin_files, staging)
-        config, vocabulary = model_from_gin(readable, shapes)
+    model = checkpoint.model(gin_files)
     if lora_output == "adapters":
-        _export_adapters(mngr, step, record, config, output_dir)
+        _export_adapters(checkpoint, model.config, output_dir)
         return
-    abstract = checkpoint_reader.abstract_params(config)
-    params = adapted_checkpoints.restore_params(
-        mngr, step, abstract, _single_device(abstract), load_base=load_base
-    )
+    params = checkpoint.load(checkpoint_reader.abstract_params(model.config))
     with _written_output(output_dir) as folder:
         hf_format.export(
-            jax.device_get(params), config, folder, vocabulary_source.of_vocabulary(vocabulary)
+            jax.device_get(params),
+            model.config,
+            folder,
+            vocabulary_source.of_vocabulary(model.vocabulary),
         )
     print(
-        f"wrote {output_dir} from {checkpoint_dir(run_dir, step)} "
-        f"({_count(params):,} parameters); load it with "
-        f"transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}')",
+        f"wrote {output_dir} from {checkpoint.path} ({_count(params):,} parameters); load it "
+        f"with transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}')",
         flush=True,
     )

@@ -1,9 +1,12 @@
-"""Autoregressive decoding with a key/value cache, as one compiled `lax.while_loop`.
+"""What the decoding engine's programs run (model/engine.py, model/slot_batch.py): the key/value
+cache, one decoding step, and each in a compiled `lax.while_loop`.
 
-The encoder runs once; a first decoder call with decode=True creates the cache (self-attention
-keys/values zeroed, cross-attention keys/values projected from the encoder output once); then
-each loop iteration feeds one token at its position and picks the next one (`decode`: greedy or
-sampling), or extends every live hypothesis by one token (`beam_search`).
+The encoder runs once per row; a first decoder call with decode=True creates the cache
+(self-attention keys/values zeroed, cross-attention keys/values projected from the encoder output
+once). Continuous decoding keeps a batch of slots (`Slots`): `insert_rows` starts rows in free
+slots, `run_segment` feeds each live slot its last token at its own position and picks the next
+(greedy or sampling) until enough slots are free. `beam_search` extends every live hypothesis of
+a batch by one token per step until no hypothesis can improve.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import numpy as np
 
 from t5tpu import validators
 from t5tpu.errors import UserError
+from t5tpu.model.layers import CACHE_AXES
 
 Array = jax.Array
 
@@ -137,51 +141,6 @@ def _split(rng: Array) -> tuple[Array, Array]:
     return tuple(jax.random.split(rng))
 
 
-def decode(
-    module: nn.Module,
-    params,
-    encoder_input_tokens: Array,
-    max_decode_length: int,
-    eos_id: int,
-    rng: Array | None = None,
-    temperature: float = 0.0,
-    top_k: int = 0,
-) -> Array:
-    """Returns [batch, max_decode_length] token ids: each row ends at its first EOS (included),
-    zeros after it. Decoding stops early once every row has produced EOS. Sampling draws from
-    `rng`: one key for the batch, or a key per row ([batch, 2])."""
-    batch = encoder_input_tokens.shape[0]
-    encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
-    dummy_targets = jnp.zeros((batch, max_decode_length), jnp.int32)
-    rng = jax.random.PRNGKey(0) if rng is None else rng
-
-    def step(state):
-        position, cache, token, out, done, rng = state
-        logits, cache = _decoder_step(
-            module, params, cache, encoded, encoder_input_tokens, token, position
-        )
-        rng, step_rng = _split(rng)
-        next_token = _pick_next(logits, step_rng, temperature, top_k)
-        next_token = jnp.where(done, 0, next_token)
-        out = out.at[:, position].set(next_token)
-        done = done | (next_token == eos_id)
-        return position + 1, cache, next_token, out, done, rng
-
-    def not_finished(state):
-        position, *_, done, _ = state
-        return (position < max_decode_length) & ~jnp.all(done)
-
-    start = (
-        jnp.int32(0),
-        cache,
-        jnp.zeros((batch,), jnp.int32),
-        dummy_targets,
-        jnp.zeros((batch,), jnp.bool_),
-        rng,
-    )
-    return jax.lax.while_loop(not_finished, step, start)[3]
-
-
 class Slots(NamedTuple):
     """Continuous decoding's state: a fixed number of rows ("slots"), each decoding one input at
     its own position or free. Rows that finish are read out and their slots refilled with new
@@ -197,18 +156,41 @@ class Slots(NamedTuple):
     keys: Array  # [slots, 2] each slot's sampling key (unused when greedy)
 
 
-def empty_slots(module, params, rows: int, input_length: int, max_length: int) -> Slots:
-    """`rows` free slots for inputs padded to `input_length` and outputs of up to `max_length`."""
-    tokens = jnp.zeros((rows, input_length), jnp.int32)
-    shapes = jax.eval_shape(lambda: _encode_and_make_cache(module, params, tokens, max_length)[1])
+def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -> Slots:
+    """The shapes and dtypes of `rows` slots for inputs padded to `input_length` and outputs of
+    up to `max_length` (nothing is computed; `params` may be shapes alone)."""
+
+    def empty(params):
+        tokens = jnp.zeros((rows, input_length), jnp.int32)
+        return Slots(
+            cache=_encode_and_make_cache(module, params, tokens, max_length)[1],
+            encoder_tokens=tokens,
+            token=jnp.zeros((rows,), jnp.int32),
+            position=jnp.zeros((rows,), jnp.int32),
+            out=jnp.zeros((rows, max_length), jnp.int32),
+            done=jnp.ones((rows,), jnp.bool_),
+            keys=jnp.zeros((rows, 2), jnp.uint32),
+        )
+
+    return jax.eval_shape(empty, params)
+
+
+def slot_axes(shapes: Slots) -> Slots:
+    """Each leaf's logical axis names (partitioning.py's rules map them to the mesh): caches
+    head-major as the attention layers write them, everything else by row."""
+
+    def cache_axes(path, leaf):
+        axes = ("length",) if _path_names(path)[-1] == "max_length" else CACHE_AXES
+        return ("layers",) * (leaf.ndim - len(axes)) + axes
+
     return Slots(
-        cache=jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, x.dtype), shapes),
-        encoder_tokens=tokens,
-        token=jnp.zeros((rows,), jnp.int32),
-        position=jnp.zeros((rows,), jnp.int32),
-        out=jnp.zeros((rows, max_length), jnp.int32),
-        done=jnp.ones((rows,), jnp.bool_),
-        keys=jnp.zeros((rows, 2), jnp.uint32),
+        cache=jax.tree_util.tree_map_with_path(cache_axes, shapes.cache),
+        encoder_tokens=("batch", "length"),
+        token=("batch",),
+        position=("batch",),
+        out=("batch", "length"),
+        done=("batch",),
+        keys=("batch", None),
     )
 
 
@@ -239,29 +221,6 @@ def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys:
         out=rows(slots.out, jnp.zeros((len(where), max_length), jnp.int32)),
         done=rows(slots.done, zeros.astype(jnp.bool_)),
         keys=rows(slots.keys, keys),
-    )
-
-
-def gather_slots(slots: Slots, index: Array) -> Slots:
-    """The slots `index` names ([n]), in that order: a batch of n slots. An index past the last
-    slot gives a free slot. A batch whose rows have mostly finished moves its live rows into a
-    smaller batch (each step costs about as much per slot, live or free, on a CPU), and one that
-    more rows wait for moves into a larger one."""
-
-    def take(leaf, axis=0, fill=0):
-        return jnp.take(leaf, index, axis=axis, mode="fill", fill_value=fill)
-
-    def take_cache(path, leaf):
-        return leaf if _path_names(path)[-1] == "max_length" else take(leaf, _batch_axis(path))
-
-    return Slots(
-        cache=jax.tree_util.tree_map_with_path(take_cache, slots.cache),
-        encoder_tokens=take(slots.encoder_tokens),
-        token=take(slots.token),
-        position=take(slots.position),
-        out=take(slots.out),
-        done=take(slots.done, fill=True),
-        keys=take(slots.keys),
     )
 
 

@@ -7,12 +7,16 @@ steps exactly equal to the full-batch step.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import gin
 import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
+from t5tpu.model.lora import LoraSettings
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.runtime.lazy_imports import seqio
 
@@ -36,9 +40,6 @@ def cross_entropy(
         nll = (confidence - low) * nll + low * vocab * mean_nll - entropy
     z_term = z_loss * jnp.square(log_z)
     return nll + z_term, z_term
-
-
-GREEDY = decoding.DecodingSettings()
 
 
 @gin.configurable
@@ -124,33 +125,11 @@ class EncoderDecoderModel:
         token_ll = jnp.take_along_axis(log_p, targets[..., None], axis=-1)[..., 0]
         return jnp.sum(token_ll * (targets > 0), axis=-1)
 
-    def predict(
-        self,
-        params,
-        batch,
-        max_decode_length: int,
-        rng=None,
-        settings: decoding.DecodingSettings = GREEDY,
-    ) -> Array:
-        """[batch, max_decode_length] token ids, each row ending at its EOS: greedy, sampled
-        (`rng` then required) or beam search, as `settings` say."""
-        if settings.num_beams > 1:
-            return decoding.beam_search(
-                self.module,
-                params,
-                batch["encoder_input_tokens"],
-                max_decode_length,
-                self.vocabulary.eos_id,
-                settings.num_beams,
-                settings.beam_alpha,
-            )[0]
-        return decoding.decode(
-            self.module,
-            params,
-            batch["encoder_input_tokens"],
-            max_decode_length,
-            self.vocabulary.eos_id,
-            rng,
-            settings.temperature,
-            settings.top_k,
-        )
+
+def adapted_model(model: EncoderDecoderModel, settings: LoraSettings) -> EncoderDecoderModel:
+    """`model` with LoRA adapters beside the kernels `settings` target (model/lora.py): same
+    vocabulary, loss and decoding; its parameters are the base's joined with the adapters."""
+    adapted = copy.copy(model)
+    adapted.config = dataclasses.replace(model.config, lora=settings)
+    adapted.module = Transformer(adapted.config)
+    return adapted

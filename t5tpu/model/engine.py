@@ -1,14 +1,15 @@
-"""The decoding and scoring engine that `t5tpu infer`, the Python API and `t5tpu serve` share.
+"""The one decoding and scoring engine: `t5tpu infer`, `t5tpu eval` (and training's periodic
+eval), the Python API, `t5tpu serve` and `t5tpu bench` all run their rows through it.
 
 Everything between rows of token ids and compiled programs lives here, once:
-- inputs are padded to a few lengths (`bucket_length`: powers of two) and batches to a few row
-  counts (`Engine.slot_counts`: powers of two up to the batch size), so a few programs serve
-  every call;
+- inputs are padded to a few lengths (`bucket_length`: powers of two) and a server's batches to
+  a few row counts (`slot_counts`: the batch size and its quarters; others use the batch size
+  alone), so a few programs serve every call: per row count and input bucket, an insertion and
+  a segment (slot_batch.py), all compiled by `warm_up` before a server takes requests;
 - greedy and sampled decoding are continuous: a batch is a set of slots, and a row that finishes
   (EOS or the length limit) leaves it at the next segment boundary while waiting inputs of the
-  same padded length take its slot (`decoding.run_segment`, `decoding.insert_rows`), so the
-  batch never decodes on for its longest row with the others idle; beam search decodes a batch
-  to its end;
+  same padded length take its slot, so the batch never decodes on for its longest row with the
+  others idle; beam search decodes a batch to its end;
 - sampling draws each input from a key of its own, `fold_in(PRNGKey(seed), index)`, so what
   an input decodes to never depends on its batch mates, its slot or when it joined;
 - parameters are cast once, here, to the network's activation dtype (bf16 weights are read by
@@ -20,7 +21,10 @@ Everything between rows of token ids and compiled programs lives here, once:
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
+import os
+import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol
 
@@ -28,11 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding, precision
+from t5tpu.model import decoding, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
 SHORTEST_BUCKET = 16
+# Threads that compile a warm-up's programs at once (each XLA compile keeps about one core busy).
+_COMPILE_THREADS = 4
 # Settings other than the pinned ones whose programs are kept (each has one program per shape).
 _KEPT_SETTINGS = 8
 
@@ -115,47 +121,36 @@ class _Programs:
     def __init__(self, *, pinned: tuple | None):
         self._pinned = pinned
         self._families: collections.OrderedDict[tuple, dict] = collections.OrderedDict()
+        self._lock = threading.Lock()  # warm-up builds programs in several threads
 
     def get(self, family: tuple, shape: tuple, build):
-        programs = self._families.setdefault(family, {})
-        self._families.move_to_end(family)
-        if shape not in programs:
-            programs[shape] = build()
-        others = [f for f in self._families if f != self._pinned]
-        for stale in others[: max(0, len(others) - _KEPT_SETTINGS)]:
-            del self._families[stale]
-        return programs[shape]
+        with self._lock:
+            if (found := self._families.get(family, {}).get(shape)) is not None:
+                self._families.move_to_end(family)
+                return found
+        built = build()
+        with self._lock:
+            programs = self._families.setdefault(family, {})
+            self._families.move_to_end(family)
+            programs.setdefault(shape, built)
+            others = [f for f in self._families if f != self._pinned]
+            for stale in others[: max(0, len(others) - _KEPT_SETTINGS)]:
+                del self._families[stale]
+            return programs[shape]
 
     def __len__(self) -> int:
         return sum(len(programs) for programs in self._families.values())
 
 
-def padded(rows: Sequence[Sequence[int]], count: int, length: int) -> np.ndarray:
-    """[count, length] int32 ids, rows cut to `length` and zero-padded (0 is T5's padding id,
-    which the network masks out)."""
-    out = np.zeros((count, length), np.int32)
-    for i, ids in enumerate(rows):
-        ids = list(ids)[:length]
-        out[i, : len(ids)] = ids
-    return out
-
-
-def row_keys(rows: Sequence[Row], count: int) -> np.ndarray:
-    """[count, 2] sampling keys: each row's from its seed and index (padding rows get zeros)."""
-    keys = np.zeros((count, 2), np.uint32)
-    by_seed = collections.defaultdict(list)
-    for position, row in enumerate(rows):
-        by_seed[row.seed].append(position)
-    for seed, positions in by_seed.items():
-        keys[positions] = decoding.row_keys(seed, [rows[p].index for p in positions])
-    return keys
-
-
 def slot_counts(batch_size: int, data_parallelism: int) -> tuple[int, ...]:
-    """The row counts batches are padded to: powers of two below batch_size and itself, each
-    rounded up to a multiple of the devices (each takes an equal share)."""
-    powers = (1 << n for n in range(batch_size.bit_length()))
-    sizes = {batch_size, *(size for size in powers if size < batch_size)}
+    """The row counts a server's batches take: the batch size and each quarter of the one above
+    (32: 2, 8, 32), each rounded up to a multiple of the devices (each takes an equal share).
+    Quarters, not halves: every count multiplies the programs, and a batch a quarter full
+    decodes about as fast per row on a CPU as a full one of the next smaller count."""
+    sizes, size = {batch_size}, batch_size
+    while size >= 4:
+        size //= 4
+        sizes.add(size)
     return tuple(sorted({-(-size // data_parallelism) * data_parallelism for size in sizes}))
 
 
@@ -178,6 +173,16 @@ def encode(vocabulary, text: str, limit: int) -> Encoded:
     return Encoded(ids=(*ids[: limit - 1], vocabulary.eos_id), tokens=len(ids) + 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class _BatchEnd:
+    """How a continuous batch ended: `stop()` said so, or rows it took but left to a larger
+    batch (`held`, of `bucket`)."""
+
+    stopped: bool = False
+    held: tuple[Row, ...] = ()
+    bucket: int = 0
+
+
 class Engine:
     """A network and its parameters, run on rows of ids (see the module docstring)."""
 
@@ -194,26 +199,33 @@ class Engine:
         pinned: Request | None = None,
         smaller_batches: bool = False,
         param_view: Callable | None = None,
+        cast: bool = True,
     ):
         self.network = network
+        self.partitioner = partitioner
         # Applied to the parameters inside every program (a served LoRA adapter's base rounded
         # as its run trained on it), so the arrays held stay the ones shared with others.
         self._param_view = param_view
-        self.smaller_batches = smaller_batches
         self.max_input_length = max_input_length
         self.max_target_length = max_target_length
-        self.slot_counts = slot_counts(batch_size, partitioner.data_parallelism)
-        self.params = precision.cast_params(
-            params, network.config.activation_dtype, param_shardings
-        )
+        # cast=False: decode with the parameters as given (training's float32 master copy,
+        # which eval reads without holding a second, cast copy).
+        self._cast = cast
         self._param_shardings = param_shardings
-        self._partitioner = partitioner
+        self.params = self._placed(params)
+        self.states = slot_batch.StatePool(
+            network=network, partitioner=partitioner, param_view=param_view
+        )
         self._programs = _Programs(pinned=None if pinned is None else pinned.family)
+        self.smaller_batches = smaller_batches
+        counts = slot_counts(batch_size, partitioner.data_parallelism)
+        self.slot_counts = counts if smaller_batches else counts[-1:]
 
     def serve(self, *, batch_size: int, pinned: Request) -> None:
         """Set up for a server: batches of any of `slot_counts` rows (the fewest that hold the
-        rows waiting), and `pinned`'s programs (the server's defaults) kept for good."""
-        self.slot_counts = slot_counts(batch_size, self._partitioner.data_parallelism)
+        rows waiting when a batch starts), and `pinned`'s programs (the server's defaults) kept
+        for good."""
+        self.slot_counts = slot_counts(batch_size, self.partitioner.data_parallelism)
         self.smaller_batches = True
         self._programs = _Programs(pinned=pinned.family)
 
@@ -224,6 +236,12 @@ class Engine:
     @property
     def program_count(self) -> int:
         return len(self._programs)
+
+    def programs_needed(self, request: Request) -> int:
+        """How many programs `warm_up(request)` compiles: per row count and input bucket, an
+        insertion and a segment (greedy, sampling) or one beam search."""
+        per_shape = 1 if request.settings.num_beams > 1 else 2
+        return len(self.slot_counts) * len(input_buckets(self.max_input_length)) * per_shape
 
     def bucket(self, length: int, limit: int | None = None) -> int:
         return bucket_length(length, limit or self.max_input_length)
@@ -238,6 +256,17 @@ class Engine:
     def encode(self, text: str, limit: int | None = None) -> Encoded:
         """`text`'s ids, cut to `limit` (default: the longest input)."""
         return encode(self.network.vocabulary, text, limit or self.max_input_length)
+
+    def set_params(self, params) -> None:
+        """Decodes with other parameters of the same shapes (another checkpoint): the compiled
+        programs are kept."""
+        self.params = self._placed(params)
+
+    def _placed(self, params):
+        if not self._cast:
+            return params
+        dtype = self.network.config.activation_dtype
+        return precision.cast_params(params, dtype, self._param_shardings)
 
     # --- decoding ---------------------------------------------------------------------------
 
@@ -254,12 +283,6 @@ class Engine:
             out[decoded.row.tag] = decoded.ids
         return out
 
-    def set_params(self, params) -> None:
-        """Decodes with other parameters of the same shapes (another checkpoint): the compiled
-        programs are kept."""
-        dtype = self.network.config.activation_dtype
-        self.params = precision.cast_params(params, dtype, self._param_shardings)
-
     def stream(
         self,
         feed: Feed,
@@ -270,66 +293,104 @@ class Engine:
     ) -> Iterator[Decoded]:
         """Decodes the feed's rows as they come, each yielded when it finishes. Greedy and
         sampling run continuously: a batch takes waiting rows of its padded length whenever a
-        quarter of its slots are free, and, with `poll_steps`, looks for newly waiting rows at
-        least that often. Beam search decodes batches to their end. `stop()` is asked after
-        each batch or segment; True ends the stream there (rows in flight are dropped)."""
-        while (bucket := feed.next_bucket()) is not None:
-            rows = feed.take(self.batch_size, bucket)
+        quarter of its slots are free (a server's: whenever one is), and, with `poll_steps`,
+        looks for newly waiting rows at least that often. Beam search decodes batches to their
+        end. `stop()` is asked after each batch or segment; True ends the stream there (rows in
+        flight are dropped)."""
+        end = _BatchEnd()
+        while end.held or (bucket := feed.next_bucket()) is not None:
+            if end.held:
+                bucket, rows = end.bucket, list(end.held)
+            else:
+                rows = feed.take(self.batch_size, bucket)
             if not rows:
                 continue
             if request.settings.num_beams > 1:
-                yield from self._beam_batch(rows, bucket, request)
-                stopped = stop()
+                yield from self._beam_batch(rows, bucket, request, self.slots_for(len(rows)))
+                end = _BatchEnd(stopped=stop())
             else:
-                stopped = yield from self._continuous(feed, rows, bucket, request, poll_steps, stop)
-            if stopped:
+                end = yield from self._continuous(feed, rows, bucket, request, poll_steps, stop)
+            if end.stopped:
                 return
 
-    def _beam_batch(self, rows: list[Row], bucket: int, request: Request) -> Iterator[Decoded]:
-        count = self.slots_for(len(rows))
+    def _beam_batch(self, rows: list[Row], bucket: int, request: Request, count: int):
         program = self._program("beam", request, (count, bucket), self._build_beam)
-        tokens = self._put(padded([row.ids for row in rows], count, bucket), batch=True)
+        tokens = self._put(slot_batch.padded([row.ids for row in rows], count, bucket))
         out = np.asarray(program(self.params, tokens))
         for row, ids in zip(rows, out, strict=False):  # padding rows dropped
             yield Decoded(row, ids)
 
     def _continuous(self, feed, rows, bucket, request, poll_steps, stop):
-        """Yields the rows of one continuous batch as they finish; returns whether `stop()`."""
-        batch = _SlotBatch(self, request, count=self.slots_for(len(rows)), bucket=bucket)
-        # Refilling a few slots at a time would run the encoder on a few rows at a time; a
-        # batch that shrinks as rows end (a server's) answers each row as soon as it ends.
-        refill_at = 1 if self.smaller_batches else max(1, batch.count // 4)
-        max_steps = poll_steps or request.max_length
-        while True:
-            if self.smaller_batches:  # as few slots as the live and new rows need
-                batch.resize(self.slots_for(len(batch.live) + len(rows)))
-            if rows:
+        """Yields the rows of one continuous batch as they finish; returns its _BatchEnd. A
+        server's batch that more rows wait for than it has free slots takes no more rows and
+        finishes its own, so that a larger batch can take them all."""
+        if self.smaller_batches:  # every row waiting now: the batch's size is chosen once
+            rows += feed.take(self.batch_size - len(rows), bucket)
+        count = self.slots_for(len(rows))
+        shape = slot_batch.Shape(count, bucket, request.max_length)
+        batch = slot_batch.SlotBatch(engine=self, request=request, shape=shape)
+        refill_at = 1 if self.smaller_batches else slot_batch.insert_size(count)
+        may_grow = self.smaller_batches and count < self.batch_size
+        held: list[Row] = []
+        try:
+            while True:
                 batch.insert(rows)
-            if not batch.live:
-                return False
-            free = batch.count - len(batch.live)
-            yield from batch.run(free_wanted=max(free + 1, refill_at), max_steps=max_steps)
-            if stop():
-                return True
-            room = (self.batch_size if self.smaller_batches else batch.count) - len(batch.live)
-            wanted = batch.count - len(batch.live) >= refill_at or not batch.live
-            rows = feed.take(room, bucket) if wanted or self.smaller_batches else []
+                if not batch.live:
+                    return _BatchEnd(held=tuple(held), bucket=bucket)
+                free = count - len(batch.live)
+                wanted = count if held else max(free + 1, refill_at)
+                steps = request.max_length if held else poll_steps or request.max_length
+                for row, ids in batch.run(free_wanted=wanted, max_steps=steps):
+                    yield Decoded(row, ids)
+                if stop():
+                    return _BatchEnd(stopped=True)
+                free, rows = count - len(batch.live), []
+                if not held and (free >= refill_at or not batch.live):
+                    rows = feed.take(free + 1 if may_grow else free, bucket)
+                if len(rows) > free:  # more wait than this batch holds: a larger one takes them
+                    held, rows = rows, []
+        finally:
+            batch.close()
 
     def warm_up(
         self, request: Request, *, counts=None, stopping: Callable[[], bool] = lambda: False
     ) -> int:
         """Compiles `request`'s decoding programs for every padded input length and each row
         count in `counts` (default: all), until `stopping()`; returns how many programs exist.
-        Each runs once on padding (jax compiles a program at its first call)."""
-        for count in counts or self.slot_counts:
+        Continuous batches' programs are compiled in parallel first (compiling is most of the
+        time, and XLA compiles one program on one core), then each runs once on padding, so
+        that a call finds it in every cache jax keeps."""
+        counts = counts or self.slot_counts
+        if request.settings.num_beams == 1:
+            self._compile_ahead(request, counts, stopping)
+        for count in counts:
             for bucket in input_buckets(self.max_input_length):
                 if stopping():
                     return self.program_count
                 if request.settings.num_beams > 1:
-                    list(self._beam_batch([Row((0,))], bucket, request))
-                else:
-                    _SlotBatch(self, request, count=count, bucket=bucket).warm_up()
+                    list(self._beam_batch([Row((0,))], bucket, request, count))
+                    continue
+                shape = slot_batch.Shape(count, bucket, request.max_length)
+                batch = slot_batch.SlotBatch(engine=self, request=request, shape=shape)
+                batch.warm_up()
+                batch.close()
         return self.program_count
+
+    def _compile_ahead(self, request: Request, counts, stopping: Callable[[], bool]) -> None:
+        shapes = [
+            slot_batch.Shape(count, bucket, request.max_length)
+            for count in counts
+            for bucket in input_buckets(self.max_input_length)
+        ]
+
+        def compile_shape(shape):
+            if not stopping():
+                programs = self.programs_of(request, shape)
+                slot_batch.compile_ahead(engine=self, programs=programs, shape=shape)
+
+        workers = max(1, min(_COMPILE_THREADS, os.cpu_count() or 1, len(shapes)))
+        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+            list(pool.map(compile_shape, shapes))
 
     # --- scoring and logits -----------------------------------------------------------------
 
@@ -347,11 +408,11 @@ class Engine:
         count = self.slots_for(len(inputs))
         length = self.bucket(max(map(len, inputs)))
         target_length = self.bucket(max(map(len, targets)), self.max_target_length)
-        target_ids = padded(targets, count, target_length)
+        target_ids = slot_batch.padded(targets, count, target_length)
         decoder_inputs = np.pad(target_ids, ((0, 0), (1, 0)))[:, :-1]  # shifted right
-        arrays = (padded(inputs, count, length), decoder_inputs, target_ids)
-        program = self._program(("score",), None, (count, length, target_length), self._build_score)
-        out = program(self.params, *(self._put(a, batch=True) for a in arrays))
+        arrays = (slot_batch.padded(inputs, count, length), decoder_inputs, target_ids)
+        program = self._program("score", None, (count, length, target_length), self._build_score)
+        out = program(self.params, *(self._put(a) for a in arrays))
         return np.asarray(out)[: len(inputs)]
 
     def logits(self, inputs: np.ndarray, decoder_inputs: np.ndarray) -> np.ndarray:
@@ -362,30 +423,51 @@ class Engine:
         pad = ((0, total - rows), (0, 0))
         inputs, decoder_inputs = np.pad(inputs, pad), np.pad(decoder_inputs, pad)
         shape = (size, inputs.shape[1], decoder_inputs.shape[1])
-        program = self._program(("logits",), None, shape, self._build_logits)
+        program = self._program("logits", None, shape, self._build_logits)
         out = []
         for start in range(0, total, size):
             turn = (inputs[start : start + size], decoder_inputs[start : start + size])
-            out.append(np.asarray(program(self.params, *(self._put(a, batch=True) for a in turn))))
+            out.append(np.asarray(program(self.params, *(self._put(a) for a in turn))))
         return np.concatenate(out)[:rows]
 
     # --- programs ---------------------------------------------------------------------------
 
+    def programs_of(self, request: Request, shape: slot_batch.Shape) -> slot_batch.Programs:
+        """The insert and segment programs of a slot batch of `shape`."""
+        key = (shape.count, shape.bucket)
+
+        def build(builder):
+            return builder(engine=self, request=request, shape=shape)
+
+        return slot_batch.Programs(
+            insert=self._program("insert", request, key, lambda *_: build(slot_batch.build_insert)),
+            segment=self._program(
+                "segment", request, key, lambda *_: build(slot_batch.build_segment)
+            ),
+        )
+
     def _program(self, kind, request: Request | None, shape: tuple, build):
-        family = request.family if request is not None else kind
+        family = request.family if request is not None else (kind,)
         return self._programs.get(family, (kind, *shape), lambda: build(request, *shape))
 
-    def _put(self, array: np.ndarray, *, batch: bool):
-        """A host array every process holds in full, as a global array: split over the data
-        axis (`batch`) or replicated."""
-        sharding = self._partitioner.batch_sharding() if batch else self._partitioner.replicated()
+    def _put(self, array: np.ndarray):
+        """A host array every process holds in full, as a global array split over the data
+        axis."""
+        sharding = self.partitioner.batch_sharding()
         return jax.make_array_from_process_local_data(sharding, np.asarray(array), np.shape(array))
 
-    def _jit(self, fn, in_shardings, out_shardings=None, donate_argnums=()):
-        replicated = self._partitioner.replicated()
+    def replicate(self, array: np.ndarray):
+        """A host array every process holds in full, as a replicated global array."""
+        sharding = self.partitioner.replicated()
+        return jax.make_array_from_process_local_data(sharding, np.asarray(array), np.shape(array))
+
+    def jit(self, fn, in_shardings, out_shardings=None, donate_argnums=()):
+        """`fn(params, *args)` compiled with the parameters' shardings first (and viewed
+        through the engine's param_view); outputs replicated unless given."""
+        replicated = self.partitioner.replicated()
         if self._param_view is not None:
             fn = _viewing(fn, self._param_view)
-        return self._partitioner.jit(
+        return self.partitioner.jit(
             fn,
             in_shardings=(self._param_shardings, *in_shardings),
             out_shardings=replicated if out_shardings is None else out_shardings,
@@ -396,13 +478,15 @@ class Engine:
     # parameters): a program kept by jax's own caches must not keep the engine alive.
 
     def _build_beam(self, request: Request, count: int, bucket: int):
-        network, settings, max_length = self.network, request.settings, request.max_length
+        module, settings, max_length = self.network.module, request.settings, request.max_length
+        eos_id = self.network.vocabulary.eos_id
 
         def beam(params, tokens):
-            batch = {"encoder_input_tokens": tokens}
-            return network.predict(params, batch, max_length, None, settings)
+            return decoding.beam_search(
+                module, params, tokens, max_length, eos_id, settings.num_beams, settings.beam_alpha
+            )[0]
 
-        return self._jit(beam, (self._partitioner.batch_sharding(),))
+        return self.jit(beam, (self.partitioner.batch_sharding(),))
 
     def _build_score(self, _, count: int, length: int, target_length: int):
         network = self.network
@@ -415,7 +499,7 @@ class Engine:
             }
             return network.score(params, batch)
 
-        return self._jit(score, (self._partitioner.batch_sharding(),) * 3)
+        return self.jit(score, (self.partitioner.batch_sharding(),) * 3)
 
     def _build_logits(self, _, rows: int, length: int, decoder_length: int):
         network = self.network
@@ -424,7 +508,7 @@ class Engine:
             batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs}
             return network.logits(params, batch).astype(jnp.float32)
 
-        return self._jit(forward, (self._partitioner.batch_sharding(),) * 2)
+        return self.jit(forward, (self.partitioner.batch_sharding(),) * 2)
 
 
 def _viewing(fn, view):
@@ -434,175 +518,3 @@ def _viewing(fn, view):
         return fn(view(params), *args)
 
     return viewed
-
-
-class _SlotBatch:
-    """One continuous batch on the devices: `count` slots of inputs padded to `bucket`, which
-    rows (`live`, by slot) they hold, and the compiled programs that fill and run them."""
-
-    def __init__(self, engine: Engine, request: Request, *, count: int, bucket: int):
-        self.engine, self.request = engine, request
-        self.count, self.bucket = count, bucket
-        self.live: dict[int, Row] = {}
-        self._empty, self._segment, self._inserts = self.compile(
-            engine, request, count=count, bucket=bucket
-        )
-        self.state = self._empty(engine.params)
-
-    @staticmethod
-    def insert_sizes(count: int) -> tuple[int, ...]:
-        """Row counts an insertion is padded to: the powers of two below `count`, and `count`.
-        An insertion runs the encoder on its rows, padding included, and the encoder costs
-        about as much per row in any batch on a CPU: padding must stay small."""
-        return tuple(
-            sorted({count, *(1 << n for n in range(count.bit_length()) if 1 << n < count)})
-        )
-
-    @classmethod
-    def compile(cls, engine: Engine, request: Request, *, count: int, bucket: int):
-        """The (empty, segment, {size: insert}) programs of this shape, built once."""
-        shape = (count, bucket)
-        empty = engine._program("empty", request, shape, _build_empty(engine))
-        segment = engine._program("segment", request, shape, _build_segment(engine))
-        inserts = {
-            size: engine._program("insert", request, (*shape, size), _build_insert(engine))
-            for size in cls.insert_sizes(count)
-        }
-        return empty, segment, inserts
-
-    def insert(self, rows: list[Row]) -> None:
-        free = [slot for slot in range(self.count) if slot not in self.live]
-        size = next(n for n in sorted(self._inserts) if n >= len(rows))
-        where = np.full((size,), self.count, np.int32)  # past the last slot: dropped
-        where[: len(rows)] = free[: len(rows)]
-        tokens = padded([row.ids for row in rows], size, self.bucket)
-        keys = (
-            row_keys(rows, size)
-            if self.request.settings.samples
-            else np.zeros((size, 2), np.uint32)
-        )
-        put = self.engine._put
-        self.state = self._inserts[size](
-            self.engine.params,
-            self.state,
-            put(tokens, batch=False),
-            put(where, batch=False),
-            put(keys, batch=False),
-        )
-        self.live.update(zip(free, rows, strict=False))
-
-    def warm_up(self) -> None:
-        """Runs each program once without changing a slot: insertions of padding only, and a
-        segment of no steps."""
-        for size, insert in self._inserts.items():
-            where = np.full((size,), self.count, np.int32)  # every row dropped
-            arrays = (
-                np.zeros((size, self.bucket), np.int32),
-                where,
-                np.zeros((size, 2), np.uint32),
-            )
-            put = self.engine._put
-            self.state = insert(
-                self.engine.params, self.state, *(put(a, batch=False) for a in arrays)
-            )
-        self.run(free_wanted=0, max_steps=0)
-
-    def resize(self, count: int) -> None:
-        """Moves the live rows into a batch of `count` slots (a smaller or larger one)."""
-        if count == self.count:
-            return
-        index = np.full((count,), self.count, np.int32)  # past the last slot: a free slot
-        index[: len(self.live)] = list(self.live)
-        resized = self.engine._program(
-            "resize", self.request, (self.count, self.bucket, count), _build_resize(self.engine)
-        )
-        self.state = resized(self.engine.params, self.state, self.engine._put(index, batch=False))
-        self.live = dict(enumerate(self.live.values()))
-        self.count = count
-        self._empty, self._segment, self._inserts = self.compile(
-            self.engine, self.request, count=count, bucket=self.bucket
-        )
-
-    def run(self, *, free_wanted: int, max_steps: int) -> list[Decoded]:
-        """Decodes until `free_wanted` slots are free (or `max_steps`); the rows that finished."""
-        put = self.engine._put
-        self.state, done, out = self._segment(
-            self.engine.params,
-            self.state,
-            put(np.int32(min(free_wanted, self.count)), batch=False),
-            put(np.int32(max_steps), batch=False),
-        )
-        done, out = np.asarray(done), np.asarray(out)
-        finished = [slot for slot in self.live if done[slot]]
-        return [Decoded(self.live.pop(slot), out[slot]) for slot in finished]
-
-
-# Builders of _SlotBatch's programs. The slot state keeps the shardings the network's activation
-# rules give it (None: unconstrained) and is donated: each program updates it in place.
-
-
-def _build_empty(engine: Engine):
-    network = engine.network
-
-    def build(request: Request, count: int, bucket: int):
-        def empty(params):
-            return decoding.empty_slots(network.module, params, count, bucket, request.max_length)
-
-        return engine._jit(empty, (), out_shardings=None)
-
-    return build
-
-
-def _build_insert(engine: Engine):
-    network = engine.network
-
-    def build(request: Request, count: int, bucket: int, size: int):
-        def insert(params, slots, tokens, where, keys):
-            return decoding.insert_rows(network.module, params, slots, tokens, where, keys)
-
-        replicated = engine._partitioner.replicated()
-        return engine._jit(
-            insert,
-            (None, replicated, replicated, replicated),
-            out_shardings=None,
-            donate_argnums=(1,),
-        )
-
-    return build
-
-
-def _build_resize(engine: Engine):
-    def build(request: Request, count: int, bucket: int, new_count: int):
-        def resize(params, slots, index):
-            del params
-            return decoding.gather_slots(slots, index)
-
-        replicated = engine._partitioner.replicated()
-        # Not donated: the resized state has other shapes, so it cannot reuse the old buffers.
-        return engine._jit(resize, (None, replicated), out_shardings=None)
-
-    return build
-
-
-def _build_segment(engine: Engine):
-    network = engine.network
-
-    def build(request: Request, count: int, bucket: int):
-        settings = request.settings
-        picking = decoding.Picking(network.vocabulary.eos_id, settings.temperature, settings.top_k)
-
-        def segment(params, slots, free_wanted, max_steps):
-            slots = decoding.run_segment(
-                network.module, params, slots, picking, free_wanted, max_steps
-            )
-            return slots, slots.done, slots.out
-
-        replicated = engine._partitioner.replicated()
-        return engine._jit(
-            segment,
-            (None, replicated, replicated),
-            out_shardings=(None, replicated, replicated),
-            donate_argnums=(1,),
-        )
-
-    return build

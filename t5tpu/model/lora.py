@@ -195,6 +195,26 @@ def cast(tree, dtype: str):
     )
 
 
+def base_as_trained(params, dtype: str):
+    """The base as a LoRA run trained its adapters on it: every floating leaf but the adapters'
+    rounded to `dtype` (the run's lora.base_dtype), each kept in its own dtype; `lora_a` and
+    `lora_b` as they are, so a joined tree (base and adapters) works as well as a base alone.
+
+    Training, loading (adapters merged onto it) and serving (inside its jitted programs) all
+    call this, so the three see the same bits. It rounds with lax.reduce_precision rather than
+    a cast down and back up, which XLA may drop inside a jitted program as a no-op (excess
+    precision allowed); a float32 base in float32 runs is returned unchanged."""
+    info = jnp.finfo(dtype)
+
+    def rounded(path, x):
+        keep = not jnp.issubdtype(x.dtype, jnp.floating) or jnp.finfo(x.dtype).nmant <= info.nmant
+        if keep or _is_adapter_leaf(getattr(path[-1], "key", None)):
+            return x
+        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
+
+    return jax.tree_util.tree_map_with_path(rounded, params)
+
+
 def _target(path: tuple[str, ...]) -> tuple[str, int] | None:
     """(target name, number of input dims) of the dense layer at `path` (the keys down to its
     dict), None for one no target names."""

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.model import lora
+from t5tpu.model import encoder_decoder, lora
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.storage import adapted_checkpoints, checkpoints
@@ -96,20 +96,24 @@ class AdaptedStepSetup:
         cls, *, model, optimizer, partitioner, lengths, num_microbatches, settings, mngr, start
     ) -> AdaptedStepSetup:
         reference = _base_reference(mngr, start)
-        adapted = frozen_base.adapted_model(model, settings)
+        adapted = encoder_decoder.adapted_model(model, settings)
         shapes = frozen_base.state_shardings(adapted, optimizer, partitioner, *lengths)
         abstract, eval_shardings = trainer.abstract_params(model, partitioner, *lengths)
-        from t5tpu.formats import conversion  # as runners/train.py: TensorFlow on first use
+        from t5tpu.formats import loader  # as runners/train.py: TensorFlow on first use
 
         if start.resume:
-            loaded = conversion.load_base(reference.path, abstract, eval_shardings)
+            opened = loader.open_checkpoint(reference.path, setting=loader.BASE_SETTING)
         else:  # INITIAL_CHECKPOINT_PATH, already opened by train.py
-            loaded = start.initial_checkpoint.load(abstract, eval_shardings)
-        base = jax.jit(
-            lambda p: lora.cast(p, settings.base_dtype),
-            out_shardings=shapes.base_shardings,
-            donate_argnums=(0,),
-        )(loaded)
+            opened = start.initial_checkpoint
+        loaded = opened.load(abstract, eval_shardings)
+        dtype = settings.base_dtype
+
+        def as_trained(params):
+            # Held in the base dtype (half the memory in bfloat16), as loading and serving
+            # round it (model/lora.py).
+            return lora.cast(lora.base_as_trained(params, dtype), dtype)
+
+        base = jax.jit(as_trained, out_shardings=shapes.base_shardings, donate_argnums=(0,))(loaded)
         print(f"LoRA on the frozen base {reference.path} ({settings})", flush=True)
         return cls(
             model=adapted,

@@ -25,7 +25,7 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import results_dir, train
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
-from t5tpu.storage import adapted_checkpoints, checkpoints
+from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.tasks import registry
 from t5tpu.training import trainer
@@ -70,25 +70,24 @@ def _steps_as_they_appear(
 def _checked_steps(model_dir: str, checkpoint_step: int | str, params_shape) -> list[int]:
     """The steps CHECKPOINT_STEP names, each checked against the model's geometry before
     anything is written."""
+    from t5tpu.formats import loader  # TensorFlow's importers: not at gin parsing
+
     steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
-    mngr = checkpoints.manager(model_dir, read_only=True)
     for step in steps:
-        adapted_checkpoints.check_geometry(mngr, step, params_shape)
+        loader.in_model_dir(model_dir, step).check_geometry(params_shape)
     return steps
 
 
 def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bool):
     """The parameters of checkpoint `step`, or None when continuous eval finds it deleted
     (KEEP_CHECKPOINTS) before it could read it."""
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    try:
-        if continuous:  # the other modes check every step before anything is written
-            adapted_checkpoints.check_geometry(mngr, step, params_shape)
-        from t5tpu.formats import conversion  # a LoRA checkpoint's base may be in any format
+    from t5tpu.formats import loader
 
-        return adapted_checkpoints.restore_params(
-            mngr, step, params_shape, shardings, load_base=conversion.load_base
-        )
+    try:
+        checkpoint = loader.in_model_dir(model_dir, step)
+        if continuous:  # the other modes check every step before anything is written
+            checkpoint.check_geometry(params_shape)
+        return checkpoint.load(params_shape, shardings)
     except Exception:
         if continuous and not checkpoints.params_readable(model_dir, step):
             return None

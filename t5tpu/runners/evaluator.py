@@ -9,6 +9,7 @@ other. Splits other than 'validation' are kept apart (storage.model_dir.eval_run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import time
@@ -17,9 +18,9 @@ import jax
 import numpy as np
 from etils import epath
 
-from t5tpu.data import batches, pipeline
+from t5tpu.data import pipeline
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
+from t5tpu.model import decoding, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import example_progress
@@ -86,18 +87,22 @@ class TaskEvaluator:
         recorded_metrics(self.metrics_file)  # a damaged file is refused before any work
         self.summaries_dir = paths.eval_summaries(output_dir or model_dir, split)
         self._writer = None
-        target_length = pipeline.model_lengths(task_feature_lengths)[1]
+        input_length, target_length = pipeline.model_lengths(task_feature_lengths)
         self.evaluator = _seqio_evaluator(task_name, task_feature_lengths, split, num_examples)
-        self.batch_sharding = partitioner.batch_sharding()
-        # Every host reads the whole eval set and needs every result: replicated outputs.
-        with_sharding = dict(
-            in_shardings=(param_shardings, self.batch_sharding),
-            out_shardings=partitioner.replicated(),
+        self.request = engine.Request(settings, max_length=target_length)
+        # The engine that infer and serve decode with; it reads the parameters as each call
+        # gives them (training's float32 copy is not cast into a second one).
+        self._engine_args = dict(
+            network=model,
+            param_shardings=param_shardings,
+            partitioner=partitioner,
+            batch_size=batch_size,
+            max_input_length=input_length,
+            max_target_length=target_length,
+            pinned=self.request,
+            cast=False,
         )
-        self._predict = partitioner.jit(
-            lambda p, b: model.predict(p, b, target_length, settings=settings), **with_sharding
-        )
-        self._score = partitioner.jit(model.score, **with_sharding)
+        self._engine: engine.Engine | None = None
 
     @property
     def writer(self):
@@ -112,31 +117,55 @@ class TaskEvaluator:
             )
         return self._writer
 
-    def _run(self, ds: tf.data.Dataset, fn, params, *, step: int, what: str) -> list:
-        """fn's output for every example of `ds`, with a progress line on a long split."""
-        results = []
-        total = int(ds.cardinality())
+    def _use(self, params) -> engine.Engine:
+        if self._engine is None:
+            self._engine = engine.Engine(params=params, **self._engine_args)
+        else:
+            self._engine.set_params(params)
+        return self._engine
+
+    def _decode(self, ds: tf.data.Dataset, *, step: int) -> list:
+        """(index, ids) of every example of `ds`, decoded as `t5tpu infer` decodes."""
+        examples = _examples(ds)
         progress = example_progress.ExampleProgress(
-            f"eval step {step} ({what})", total=total if total >= 0 else None
+            f"eval step {step} (decode)", total=len(examples)
         )
-        for indices, features in batches.padded_batches(ds, self.batch_size):
-            real = len(indices)
-            batch = batches.full_batch_to_global(
-                {k: v for k, v in features.items() if k.startswith(("encoder_", "decoder_"))},
-                self.batch_sharding,
-            )
-            out = np.asarray(jax.device_get(fn(params, batch)))[:real]
-            results.extend(zip(indices.tolist(), out.tolist(), strict=True))
-            progress.add(real)
+        feed = engine.ListFeed(
+            (
+                engine.Row(ex.inputs, index=i, seed=self.request.settings.seed, tag=ex.index)
+                for i, ex in enumerate(examples)
+            ),
+            bucket=self._engine.bucket,
+        )
+        results = []
+        for decoded in self._engine.stream(feed, self.request):
+            results.append((decoded.row.tag, decoded.ids.tolist()))
+            progress.add(1)
+        return results
+
+    def _score(self, ds: tf.data.Dataset, *, step: int) -> list:
+        """(index, log-likelihood of the targets) of every example of `ds`."""
+        examples = _examples(ds)
+        progress = example_progress.ExampleProgress(
+            f"eval step {step} (score)", total=len(examples)
+        )
+        results = []
+        turn = 8 * self._engine.batch_size  # a progress line now and then
+        for start in range(0, len(examples), turn):
+            some = examples[start : start + turn]
+            scores = self._engine.score([ex.inputs for ex in some], [ex.targets for ex in some])
+            results.extend((ex.index, float(score)) for ex, score in zip(some, scores, strict=True))
+            progress.add(len(some))
         return results
 
     def __call__(self, params, step: int) -> dict:
         start = time.time()
+        self._use(params)
         future, _ = self.evaluator.evaluate(
             compute_metrics=jax.process_index() == 0,
             step=step,
-            predict_fn=lambda ds: self._run(ds, self._predict, params, step=step, what="decode"),
-            score_fn=lambda ds: self._run(ds, self._score, params, step=step, what="score"),
+            predict_fn=lambda ds: self._decode(ds, step=step),
+            score_fn=lambda ds: self._score(ds, step=step),
         )
         took = f"eval at step {step} ({time.time() - start:.1f}s)"
         if jax.process_index() != 0:  # seqio computes the metrics on process 0 only
@@ -170,6 +199,31 @@ class TaskEvaluator:
         )
         text = json.dumps(recorded, indent=2, sort_keys=True)
         atomic_files.write_atomically(self.metrics_file, text, setting=OUTPUT_SETTING)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Example:
+    """An evaluation example as seqio's feature converter gives it, its padding cut off."""
+
+    index: int
+    inputs: tuple[int, ...]
+    targets: tuple[int, ...]
+
+
+def _examples(ds: tf.data.Dataset) -> list[_Example]:
+    """Every (index, features) of an enumerated, finite dataset."""
+
+    def unpadded(ids: np.ndarray) -> tuple[int, ...]:
+        return tuple(int(i) for i in ids[: int(np.count_nonzero(ids))])
+
+    return [
+        _Example(
+            int(index),
+            unpadded(features["encoder_input_tokens"]),
+            unpadded(features["decoder_target_tokens"]),
+        )
+        for index, features in ds.as_numpy_iterator()
+    ]
 
 
 def _seqio_evaluator(

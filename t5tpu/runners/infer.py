@@ -25,7 +25,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from t5tpu import validators
-from t5tpu.config import gin_setup
+from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding, engine
@@ -38,7 +38,7 @@ from t5tpu.runners import (
     prediction_files,
     results_dir,
 )
-from t5tpu.storage import adapted_checkpoints, checkpoints
+from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import preemption, trainer
 
@@ -100,7 +100,7 @@ class _Checkpoints:
     """The checkpoints a run decodes with, each checked against the model's geometry before
     anything is written."""
 
-    mngr: object
+    model_dir: str
     steps: list[int]
     params_shape: object
     shardings: object
@@ -109,23 +109,19 @@ class _Checkpoints:
     def checked(
         cls, model_dir: str, checkpoint_step: int | str, *, model, partitioner, lengths
     ) -> _Checkpoints:
+        from t5tpu.formats import loader  # TensorFlow's importers: not at gin parsing
+
         steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
         params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
-        mngr = checkpoints.manager(model_dir, read_only=True)
         for step in steps:
-            adapted_checkpoints.check_geometry(mngr, step, params_shape)
-        return cls(mngr, steps, params_shape, shardings)
+            loader.in_model_dir(model_dir, step).check_geometry(params_shape)
+        return cls(model_dir, steps, params_shape, shardings)
 
     def params(self, step: int):
-        from t5tpu.formats import conversion  # a LoRA checkpoint's base may be in any format
+        from t5tpu.formats import loader
 
-        return adapted_checkpoints.restore_params(
-            self.mngr,
-            step,
-            self.params_shape,
-            self.shardings,
-            load_base=conversion.load_base,
-        )
+        checkpoint = loader.in_model_dir(self.model_dir, step)
+        return checkpoint.load(self.params_shape, self.shardings)
 
 
 class _Decoder:
@@ -195,20 +191,13 @@ class _Decoder:
         ]
 
 
-# What INFER_TRUNCATION chooses between, and what each does with an input that is too long.
-TRUNCATION = {
-    "warn": "truncate inputs longer than TASK_FEATURE_LENGTHS['inputs'], with a warning",
-    "error": "refuse them",
-}
-
-
 def _check_settings(
     num_examples: int | None, truncation: str, chunk: infer_chunks.Assignment
 ) -> None:
     """The macros' own limits (config.macro_limits) again, for values bound to infer.* directly,
     and what no single macro can check: the shard among the shards."""
     validators.optional(validators.whole(low=1)).check("INFER_NUM_EXAMPLES", num_examples)
-    validators.choice(TRUNCATION).check("INFER_TRUNCATION", truncation)
+    validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", truncation)
     validators.whole(low=1).check("INFER_CHUNK_SIZE", chunk.chunk_size)
     validators.whole(low=1).check("INFER_NUM_SHARDS", chunk.num_shards)
     validators.whole(low=0, high=chunk.num_shards - 1).check("INFER_SHARD_ID", chunk.shard_id)

@@ -55,8 +55,8 @@ from t5tpu.training import trainer
 from t5tpu.training.preemption import PreemptionWatch
 from t5tpu.training.progress import Progress
 
-if TYPE_CHECKING:  # the converters import TensorFlow (Mesh TF's reader): not at gin parsing
-    from t5tpu.formats.conversion import OpenedCheckpoint
+if TYPE_CHECKING:  # the loader imports TensorFlow (Mesh TF's reader): not at gin parsing
+    from t5tpu.formats.loader import Checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +85,7 @@ class StartPoint:
 
     resume: checkpoints.ResumePoint | None
     # INITIAL_CHECKPOINT_PATH, opened where the run reads it (see _initial_checkpoint).
-    initial_checkpoint: OpenedCheckpoint | None
+    initial_checkpoint: Checkpoint | None
     # The step before the input stream's first batch; also the first step of a run that does
     # not resume (a pretrained checkpoint's, else 0).
     input_start_step: int
@@ -188,19 +188,17 @@ def _check_data(data: InputSettings, task_module: str | None, evals: EvalSetting
 
 def _initial_checkpoint(
     resume: checkpoints.ResumePoint | None, initial_path: str | None
-) -> OpenedCheckpoint | None:
+) -> Checkpoint | None:
     """INITIAL_CHECKPOINT_PATH opened once, where the run reads it: for a fresh run's parameters
     and step, or for the step of a resume whose checkpoint did not record its input's start."""
     if not initial_path or (resume and resume.input_start_step is not None):
         return None
-    from t5tpu.formats import conversion  # imports TensorFlow: not at gin parsing (t5tpu plan)
+    from t5tpu.formats import loader  # imports TensorFlow: not at gin parsing (t5tpu plan)
 
-    return conversion.open_checkpoint(initial_path)
+    return loader.open_checkpoint(initial_path)
 
 
-def _input_start_step(
-    resume: checkpoints.ResumePoint | None, initial: OpenedCheckpoint | None
-) -> int:
+def _input_start_step(resume: checkpoints.ResumePoint | None, initial: Checkpoint | None) -> int:
     """The step before the input stream's first batch: a resume's recorded one, else the
     pretrained checkpoint's step (T5 1.1's is 1,000,000), else 0."""
     if resume and resume.input_start_step is not None:

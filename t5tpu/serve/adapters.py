@@ -6,8 +6,9 @@ one LoRA settings, each trained on the served model's files (their fingerprints,
 base_fingerprint.py): anything else is refused in one line. Once the base is loaded, each
 adapter's `lora_a`/`lora_b` are read and joined to the base's parameters: the base arrays are
 the base engine's own, referenced by every adapter's tree, never copied. One Engine with the
-adapted network (x W + (x A) B * alpha / rank) runs every adapter: they share its compiled
-programs, and the worker hands it the chosen adapter's tree before each group of rows.
+adapted network (x W + (x A) B * alpha / rank) runs every adapter and the base itself, as an
+adapter of zeros: they all share its compiled programs (the base's own engine compiles none),
+and the worker hands it the chosen tree before each group of rows.
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.model import lora, precision
+from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
 from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints
 from t5tpu.storage import model_dir as paths
@@ -113,53 +116,60 @@ def check_base(adapters: Sequence[AdapterCheckpoint], served: str) -> None:
 
 @dataclasses.dataclass
 class ServedAdapters:
-    """The adapters' parameter trees by name (each the base's arrays with its adapters beside
-    the kernels) and the one engine that runs them."""
+    """The engine that runs every adapter and the base, and each one's parameter tree: the
+    base's arrays with an adapter beside the kernels (the base's own: zeros), and whether to
+    round the base as the adapter's run trained on it."""
 
     engine: Engine
-    params: dict[str, object]
+    params: dict[str | None, dict]
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(self.params)
+        return tuple(name for name in self.params if name is not None)
 
-    def engine_for(self, name: str) -> Engine:
-        """The engine, set to decode and score with adapter `name` (no copy, no compile)."""
+    def engine_for(self, name: str | None) -> Engine:
+        """The engine, set to decode and score with adapter `name` (None: the base alone); no
+        copy, no compile."""
         self.engine.set_params(self.params[name])
         return self.engine
 
 
 def _rounded_base(base_dtype: str):
-    """The parameters with the base leaves rounded to `base_dtype`, as a LoRA run trains on
-    them (and t5tpu.load merges onto them); the adapters as they are. reduce_precision, not a
-    cast there and back, which XLA may drop as a no-op."""
-    info = jnp.finfo(base_dtype)
+    """A view of {"params": adapted tree, "rounded": flag}: the adapted tree with its base as
+    the adapter's run trained on it (lora.base_as_trained, as training and t5tpu.load make it)
+    where the flag says so; the base alone (flag False) as it is."""
 
-    def rounded(x):
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            return x
-        return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
-
-    def view(params):
-        base, adapters = lora.split(params)
-        return lora.join(jax.tree_util.tree_map(rounded, base), adapters)
+    def view(tree):
+        trained = lora.base_as_trained(tree["params"], base_dtype)
+        return jax.tree_util.tree_map(
+            lambda low, x: jnp.where(tree["rounded"], low, x), trained, tree["params"]
+        )
 
     return view
 
 
-def _param_view(settings: lora.LoraSettings, activation_dtype):
+def _unwrapped(tree):
+    return tree["params"]
+
+
+def _needs_rounding(settings: lora.LoraSettings, activation_dtype) -> bool:
     # A bfloat16 engine reads bfloat16 weights anyway; a float32 one must round them itself.
-    if jnp.dtype(activation_dtype) != jnp.float32 or settings.base_dtype == "float32":
-        return None
-    return _rounded_base(settings.base_dtype)
+    return jnp.dtype(activation_dtype) == jnp.float32 and settings.base_dtype != "float32"
+
+
+def _zeros_like(tree):
+    """Zeros of `tree`'s shapes on its shardings, made on the host (no program compiled)."""
+    return jax.tree_util.tree_map(
+        lambda x: jax.device_put(np.zeros(x.shape, x.dtype), x.sharding), tree
+    )
 
 
 def load_adapters(
     adapters: Sequence[AdapterCheckpoint], *, base, partitioner
 ) -> ServedAdapters | None:
-    """The adapters over `base` (a loaded T5Model, whose parameters they share)."""
-    from t5tpu.training import frozen_base
-
+    """The adapters over `base` (a loaded T5Model, whose parameters they share), and the base
+    itself as an adapter of zeros: one engine, one set of programs, serves them all (the zero
+    adapters cost a rank-r matmul beside each adapted kernel)."""
     if not adapters:
         return None
     base_params = base.engine.params
@@ -168,23 +178,29 @@ def load_adapters(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base_params
     )
     dtype = base.model.config.activation_dtype
-    trees = {}
+    settings = adapters[0].record.settings
+    flag = jax.device_put(np.bool_(False), partitioner.replicated())
+    trees: dict[str | None, dict] = {}
     for adapter in adapters:
         mngr = checkpoints.manager(adapter.model_dir, read_only=True)
         own = adapted_checkpoints.restore_adapters(
             mngr, adapter.step, abstract, shardings, adapter.record
         )
-        trees[adapter.name] = lora.join(base_params, precision.cast_params(own, dtype))
-    settings = adapters[0].record.settings
-    first = trees[adapters[0].name]
+        joined = lora.join(base_params, precision.cast_params(own, dtype))
+        rounded = jax.device_put(np.bool_(_needs_rounding(settings, dtype)), flag.sharding)
+        trees[adapter.name] = {"params": joined, "rounded": rounded}
+    _, first = lora.split(trees[adapters[0].name]["params"])
+    trees[None] = {"params": lora.join(base_params, _zeros_like(first)), "rounded": flag}
     engine = Engine(
-        network=frozen_base.adapted_model(base.model, settings),
-        params=first,
-        param_shardings=jax.tree_util.tree_map(lambda x: x.sharding, first),
+        network=adapted_model(base.model, settings),
+        params=trees[None],
+        param_shardings=jax.tree_util.tree_map(lambda x: x.sharding, trees[None]),
         partitioner=partitioner,
         batch_size=base.shapes.batch_size,
         max_input_length=base.shapes.max_input_length,
         max_target_length=base.shapes.max_target_length,
-        param_view=_param_view(settings, dtype),
+        param_view=(
+            _rounded_base(settings.base_dtype) if _needs_rounding(settings, dtype) else _unwrapped
+        ),
     )
     return ServedAdapters(engine=engine, params=trees)

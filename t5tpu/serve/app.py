@@ -33,9 +33,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route as Path
 
 from t5tpu.errors import one_line_message
+from t5tpu.model.engine import Row
 from t5tpu.serve import payloads
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
-from t5tpu.serve.model_worker import DecodeRow, Group, ModelWorker, ScoreRow
+from t5tpu.serve.model_worker import Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from t5tpu.serve.task_calls import TaskRoutes
@@ -83,42 +84,43 @@ class _Prepared:
 
 
 class Service:
-    """The routes' state: the engine (None until loaded), the batcher, the tasks' routes, and
-    the route names /metrics counts requests by (path -> name)."""
+    """The routes' state: the model worker (None until loaded), the batcher, the tasks'
+    routes, and the route names /metrics counts requests by (path -> name)."""
 
     def __init__(self, *, batcher: Batcher, metrics: ServeMetrics, options: HttpOptions):
         self.batcher = batcher
         self.metrics = metrics
         self.options = options
-        self.engine: ModelWorker | None = None
+        self.worker: ModelWorker | None = None
         self.tasks = TaskRoutes()
         self.route_names: dict[str, str] = {}
 
-    def ready(self, engine: ModelWorker) -> None:
-        self.engine = engine
+    def ready(self, worker: ModelWorker) -> None:
+        self.worker = worker
+        self.metrics.watch_programs(lambda: worker.program_count)
         self.metrics.ready.set(1)
 
     # --- checking and tokenizing (in the thread pool) ----------------------------------------
 
-    def _engine(self) -> ModelWorker:
-        if self.engine is None:
+    def _worker(self) -> ModelWorker:
+        if self.worker is None:
             raise NotReady
-        return self.engine
+        return self.worker
 
-    def _limits(self, engine: ModelWorker) -> payloads.Limits:
+    def _limits(self, worker: ModelWorker) -> payloads.Limits:
         return payloads.Limits(
             max_instances=self.options.max_instances,
-            max_length=engine.max_target_length,
-            vocab_size=engine.vocab_size,
-            adapters=engine.adapter_names,
+            max_length=worker.max_target_length,
+            vocab_size=worker.vocab_size,
+            adapters=worker.adapter_names,
         )
 
     def _encoded(self, texts, *, limit: int, what: str, first: int, warnings: list) -> list:
         """Each text's ids; an overlong one is cut with a warning, or refused ('error')."""
-        engine = self._engine()
+        worker = self._worker()
         encoded = []
         for index, text in enumerate(texts, start=first):
-            ids = engine.encode(text, limit)
+            ids = worker.encode(text, limit)
             if ids.truncated:
                 message = f"instances[{index}] {what} has {ids.tokens} tokens, above the {limit}"
                 if self.options.truncation == "error":
@@ -136,30 +138,30 @@ class Service:
         return self.tasks.prompts(route, [{INPUT: text} for text in texts]), route
 
     def prepare_predict(self, body: bytes) -> _Prepared:
-        engine = self._engine()
+        worker = self._worker()
         request = payloads.predict_request(
-            payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
+            payloads.parse_json(body), defaults=worker.defaults, limits=self._limits(worker)
         )
         texts, route = self._inputs(request.texts, request.task, "/v1/predict")
         warnings: list[str] = []
         encoded = self._encoded(
-            texts, limit=engine.max_input_length, what="input", first=0, warnings=warnings
+            texts, limit=worker.max_input_length, what="input", first=0, warnings=warnings
         )
-        rows = _decode_rows(engine, encoded, request.decoding, request.adapter)
+        rows = _decode_rows(worker, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, route)
 
     def prepare_score(self, body: bytes) -> _Prepared:
-        engine = self._engine()
-        request = payloads.score_request(payloads.parse_json(body), limits=self._limits(engine))
+        worker = self._worker()
+        request = payloads.score_request(payloads.parse_json(body), limits=self._limits(worker))
         formatted, _ = self._inputs(request.inputs, request.task, "/v1/score")
         warnings: list[str] = []
-        limits = {"input": engine.max_input_length, "target": engine.max_target_length}
+        limits = {"input": worker.max_input_length, "target": worker.max_target_length}
         inputs, targets = (
             self._encoded(texts, limit=limits[what], what=what, first=0, warnings=warnings)
             for texts, what in ((formatted, "input"), (request.targets, "target"))
         )
         rows = [
-            (Group.for_scoring(engine.input_bucket(a.ids), request.adapter), ScoreRow(a.ids, b.ids))
+            (Group.for_scoring(worker.input_bucket(a.ids), request.adapter), ScoreRow(a.ids, b.ids))
             for a, b in zip(inputs, targets, strict=True)
         ]
         return _Prepared(rows, warnings, request)
@@ -167,18 +169,18 @@ class Service:
     def prepare_task(self, name: str, body: bytes) -> _Prepared:
         """A task route's request: checked against the route's fields, its prompts made by the
         task, tokenized."""
-        engine = self._engine()
+        worker = self._worker()
         offers = self.tasks.offers(name, "POST")
         self.route_names.setdefault(f"/v1/{name}", name)
         request = payloads.task_request(
-            offers, payloads.parse_json(body), defaults=engine.defaults, limits=self._limits(engine)
+            offers, payloads.parse_json(body), defaults=worker.defaults, limits=self._limits(worker)
         )
         prompts = self.tasks.prompts(request.route, request.instances)
         warnings: list[str] = []
         encoded = self._encoded(
-            prompts, limit=engine.max_input_length, what="prompt", first=0, warnings=warnings
+            prompts, limit=worker.max_input_length, what="prompt", first=0, warnings=warnings
         )
-        rows = _decode_rows(engine, encoded, request.decoding, request.adapter)
+        rows = _decode_rows(worker, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, request.route)
 
     # --- the routes ------------------------------------------------------------------------
@@ -202,9 +204,9 @@ class Service:
         return _reply([{name: value} for value in values], prepared.warnings)
 
     async def health(self, request: Request) -> Response:
-        if self.engine is None:
+        if self.worker is None:
             return JSONResponse({"status": "loading"}, 503, headers={"Retry-After": RETRY_AFTER})
-        names = self.engine.adapter_names
+        names = self.worker.adapter_names
         return JSONResponse({"status": "ready", **({"adapters": list(names)} if names else {})})
 
     async def metrics_text(self, request: Request) -> Response:
@@ -229,13 +231,13 @@ class Service:
 
 
 def _decode_rows(
-    engine: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
+    worker: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
 ) -> list:
     """(group, row) pairs of inputs to decode; row i samples from its index i."""
     return [
         (
-            Group.for_decoding(decoding, engine.input_bucket(ids.ids), adapter),
-            DecodeRow(ids=ids.ids, index=i, seed=decoding.seed),
+            Group.for_decoding(decoding, worker.input_bucket(ids.ids), adapter),
+            Row(ids=ids.ids, index=i, seed=decoding.seed),
         )
         for i, ids in enumerate(encoded)
     ]

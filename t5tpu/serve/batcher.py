@@ -39,7 +39,7 @@ class Stopped(Exception):
 
 
 class BatchFailed(Exception):
-    """`run_batch` raised on the batch a row was in (the cause is chained, and printed once)."""
+    """`run_group` raised on the group a row was in (the cause is chained, and printed once)."""
 
 
 @dataclasses.dataclass(frozen=True)

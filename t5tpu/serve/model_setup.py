@@ -23,7 +23,6 @@ from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
-from t5tpu.runners import infer
 from t5tpu.serve import adapters as lora_adapters
 from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.payloads import Decoding
@@ -104,7 +103,7 @@ def model_setup(
     (only the adapters' records and the files' fingerprints). With adapters (NAME=PATH) and no
     model named, the model is the first adapter's base."""
     _parse_gin(gin_flags)
-    bound = runner_settings.bound_settings(infer.infer, runner_settings.InferSettings)
+    bound = runner_settings.bound_settings("infer", runner_settings.InferSettings)
     gin_lengths = (
         pipeline.model_lengths(bound.task_feature_lengths)
         if bound.task_feature_lengths
@@ -136,7 +135,7 @@ def model_setup(
         truncation=truncation or bound.truncation,
         adapters=opened,
     )
-    validators.choice(infer.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
+    validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
     if opened:
         from t5tpu.api import loading
@@ -155,7 +154,7 @@ def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
     )
 
 
-def load_engine(
+def load_worker(
     setup: ModelSetup, *, max_batch_size: int, say: Callable[[str], None]
 ) -> ModelWorker:
     """The model loaded and placed on the devices, wrapped for serving (not yet compiled)."""

@@ -7,13 +7,14 @@ request threads (SentencePiece is thread-safe).
 Decoding groups run as continuous batches: a row is answered as soon as it finishes, and rows
 of the same group that arrive while a batch decodes join it as slots free up (the batch looks
 for them every few steps). A batch holds rows of one input-length bucket and has the smallest
-of a few row counts (powers of two up to --max_batch_size) that holds the rows waiting when it
-starts. Sampling draws each row from its own key, `fold_in(PRNGKey(seed), index of the row in
-its request)`, the key `t5tpu infer` gives the input at that index: a request decodes as `t5tpu
-infer` of its instances does, whichever requests shared its batch. Programs are kept per
-settings: the server's defaults for good, a bounded number of others by last use. A group of
-rows with a LoRA adapter runs on the adapters' engine (adapters.py), set to that adapter's
-parameters first.
+of a few row counts (--max_batch_size and its quarters) that holds the rows waiting when it
+starts; when more rows wait than it has room for, it takes no more, and a larger batch takes
+them once its own rows are done. Sampling draws each row from its own key, `fold_in(
+PRNGKey(seed), index of the row in its request)`, the key `t5tpu infer` gives the input at that
+index: a request decodes as `t5tpu infer` of its instances does, whichever requests shared its
+batch. Programs are kept per settings: the server's defaults for good, a bounded number of
+others by last use. With LoRA adapters, every group runs on the adapters' engine (adapters.py),
+set to its adapter's parameters first (the base's: adapters of zeros).
 """
 
 from __future__ import annotations
@@ -30,15 +31,6 @@ from t5tpu.serve.payloads import Decoding
 
 # A decoding batch looks for newly queued rows of its group at least this many steps apart.
 _POLL_STEPS = 8
-
-
-@dataclasses.dataclass(frozen=True)
-class DecodeRow:
-    """One instance to decode: its ids, its index in its request and its request's seed."""
-
-    ids: tuple[int, ...]
-    index: int
-    seed: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,7 +78,7 @@ class _QueuedRows:
     def take(self, count: int, bucket: int) -> list[Row]:
         taken, self._held = self._held[:count], self._held[count:]
         taken += self._feed.take(count - len(taken)) if count > len(taken) else []
-        return [Row(t.item.ids, t.item.index, t.item.seed, tag=t) for t in taken]
+        return [dataclasses.replace(t.item, tag=t) for t in taken]  # answered through `tag`
 
 
 class ModelWorker:
@@ -108,18 +100,22 @@ class ModelWorker:
         self.max_target_length = model.shapes.max_target_length
         self.defaults = defaults
         self._beam_alpha = beam_alpha
-        self.engine = model.engine  # the model's parameters, cast once, and its programs
-        self.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
-        self.batch_sizes = self.engine.slot_counts
         self.adapters = adapters
         self.adapter_names = adapters.names if adapters else ()
-        if adapters:
-            adapters.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
+        # With adapters, their engine runs the base too (as an adapter of zeros): one set of
+        # programs. Without, the model's own: its parameters, cast once, and its programs.
+        self.engine = adapters.engine if adapters else model.engine
+        self.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
+        self.batch_sizes = self.engine.slot_counts
 
     @property
     def program_count(self) -> int:
-        adapted = self.adapters.engine.program_count if self.adapters else 0
-        return self.engine.program_count + adapted
+        return self.engine.program_count
+
+    @property
+    def programs_needed(self) -> int:
+        """The programs warm_up compiles (docs/SERVING.md has the formula)."""
+        return self.engine.programs_needed(self._request(self.defaults))
 
     def encode(self, text: str, limit: int) -> Encoded:
         return self.engine.encode(text, limit)
@@ -130,15 +126,11 @@ class ModelWorker:
 
     def warm_up(self, *, stopping: Callable[[], bool] = lambda: False) -> int:
         """Compiles the default settings' decoding programs for every shape a batch can take
-        (until `stopping()` says otherwise), the adapters' too; returns how many programs are
-        ready."""
-        count = self.engine.warm_up(self._request(self.defaults), stopping=stopping)
-        if self.adapters:
-            count += self.adapters.engine.warm_up(self._request(self.defaults), stopping=stopping)
-        return count
+        (until `stopping()` says otherwise); returns how many programs are ready."""
+        return self.engine.warm_up(self._request(self.defaults), stopping=stopping)
 
     def _engine(self, adapter: str | None) -> Engine:
-        return self.engine if adapter is None else self.adapters.engine_for(adapter)
+        return self.adapters.engine_for(adapter) if self.adapters else self.engine
 
     def run_group(self, group: Group, feed: GroupFeed) -> None:
         """The batcher's `run_group`: texts for 'decode' rows, log-likelihoods for 'score',

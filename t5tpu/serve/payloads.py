@@ -49,19 +49,6 @@ class Decoding:
     top_k: int = 0
     seed: int = 0
 
-    @property
-    def samples(self) -> bool:
-        return self.num_beams == 1 and self.temperature > 0
-
-    @property
-    def program(self) -> tuple:
-        """What the compiled decoding program depends on (the seed only feeds the row keys)."""
-        return (self.num_beams, self.max_length, self.temperature, self.top_k)
-
-    def as_settings(self) -> dict:
-        """T5Model.predict's keyword arguments, as the task functions pass them on."""
-        return dataclasses.asdict(self)
-
 
 @dataclasses.dataclass(frozen=True)
 class Limits:

@@ -7,6 +7,9 @@ t5tpu_serve_batch_seconds{kind}             model time per call
 t5tpu_serve_queue_rows                      rows waiting for the model now
 t5tpu_serve_truncated_inputs_total          inputs cut to the model's input length
 t5tpu_serve_ready                           1 once the model is loaded and compiled
+t5tpu_serve_programs                        the engine's compiled programs
+t5tpu_serve_programs_lowered                programs jax lowered for compiling in this process
+                                            (rises after warm-up only for non-default settings)
 
 The registry is the server's own (not prometheus-client's global one), so two servers in one
 process (the tests) count apart. Routes are labelled by name, never by the raw path, so
@@ -19,6 +22,8 @@ import time
 from collections.abc import Callable
 
 import prometheus_client
+
+from t5tpu.runtime import compile_events
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the answer
@@ -55,6 +60,14 @@ class ServeMetrics:
             "truncated_inputs", "inputs cut to the model's input length", **kwargs
         )
         self.ready = prometheus_client.Gauge("ready", "1 once the model can answer", **kwargs)
+        self.programs = prometheus_client.Gauge("programs", "compiled programs", **kwargs)
+        self.lowered = prometheus_client.Gauge(
+            "programs_lowered", "programs lowered for compiling", **kwargs
+        )
+        self.lowered.set_function(compile_events.lowered)
+
+    def watch_programs(self, count: Callable[[], int]) -> None:
+        self.programs.set_function(count)
 
     def watch_queue(self, depth: Callable[[], int]) -> None:
         self.queue_rows.set_function(depth)

@@ -68,26 +68,29 @@ class _Worker:
 
     def _run(self) -> None:
         try:
-            engine = self._prepare()
+            model_worker = self._prepare()
         except Exception as error:  # reported by the main thread once the server has stopped
             self.error = error
             self.service.batcher.fail(error)
             self.on_failure()
             return
-        self.service.ready(engine)
-        self.service.batcher.serve(engine.run_group)
+        self.service.ready(model_worker)
+        self.service.batcher.serve(model_worker.run_group)
 
     def _prepare(self) -> ModelWorker:
         start = time.perf_counter()
-        engine = self.load()
+        model_worker = self.load()
         if self.warm_up:
-            say(f"compiling the decoding programs for {len(engine.batch_sizes)} batch sizes")
-            programs = engine.warm_up(stopping=self.stopping.is_set)
+            say(
+                f"compiling {model_worker.programs_needed} decoding programs "
+                f"({len(model_worker.batch_sizes)} batch sizes)"
+            )
+            programs = model_worker.warm_up(stopping=self.stopping.is_set)
             if not self.stopping.is_set():
                 self.service.tasks.warm_up()
             say(f"{programs} programs ready")
         say(f"ready in {time.perf_counter() - start:.1f} s")
-        return engine
+        return model_worker
 
 
 def _noted_stop_signals() -> list[str]:

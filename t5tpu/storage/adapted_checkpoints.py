@@ -1,16 +1,13 @@
 """Checkpoints of LoRA runs: their `params` item holds the adapters alone, and their metadata
 the LoRA settings and the base checkpoint (path and fingerprint, base_fingerprint.py).
 
-Eval, infer, `t5tpu.load` and the converters read any t5tpu checkpoint through `restore_params`
-here: a plain one as checkpoints.restore_params does, an adapter one as the base (read by the
-caller's `load_base`, which knows every format a base may be in) with the adapters merged into
-its kernels, so everything after it sees plain parameters.
+The record and the adapters are read here; the base, which may be in any format, is opened and
+merged by formats/loader.py, which every command reads checkpoints through.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
 import jax
 
@@ -48,14 +45,6 @@ def record_of(mngr, step: int) -> AdapterRecord | None:
     return AdapterRecord.from_metadata(mngr.metadata(step).custom_metadata)
 
 
-def param_shapes(mngr, step: int) -> dict[str, tuple] | None:
-    """The flat parameter shapes of a plain checkpoint; None for an adapter checkpoint (whose
-    base is checked against the model when it is read)."""
-    if record_of(mngr, step):
-        return None
-    return checkpoints.flat_shapes(mngr.item_metadata(step)["params"])
-
-
 def _adapter_targets(abstract_params, shardings, record: AdapterRecord):
     return lora.adapter_shapes(abstract_params, shardings, record.settings)
 
@@ -87,27 +76,3 @@ def restore_adapters(mngr, step: int, abstract_params, shardings, record: Adapte
     return checkpoints.restore_params(
         mngr, step, targets, jax.tree_util.tree_map(lambda t: t.sharding, targets)
     )
-
-
-def restore_params(
-    mngr, step: int, abstract_params, shardings, *, load_base: Callable | None = None
-):
-    """The plain parameters of checkpoint `step`, placed on `shardings`: restored, or for an
-    adapter checkpoint its base (`load_base(path, abstract_params, shardings)`, checked against
-    its fingerprint first) with the adapters merged in, in float32."""
-    record = record_of(mngr, step)
-    if record is None:
-        return checkpoints.restore_params(mngr, step, abstract_params, shardings)
-    where = paths.checkpoint_dir(str(mngr.directory), step)
-    if load_base is None:
-        raise UserError(f"{where} holds LoRA adapters; load it with its base (t5tpu.load)")
-    record.base.check(where)
-    adapters = restore_adapters(mngr, step, abstract_params, shardings, record)
-    base = load_base(record.base.path, abstract_params, shardings)
-
-    def merged(base, adapters):
-        # The base as the run trained on it (its base dtype), then the adapters added.
-        rounded = lora.cast(lora.cast(base, record.settings.base_dtype), "float32")
-        return lora.merge(rounded, adapters, record.settings)
-
-    return jax.jit(merged, out_shardings=shardings, donate_argnums=(0,))(base, adapters)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5tpu.model import lora
 from t5tpu.model.layer_stacking import LAYERS
 
 
@@ -105,10 +106,15 @@ def clip_by_block_rms(threshold: float) -> optax.GradientTransformation:
 
 
 def scale_by_param_block_rms(min_scale: float = 1e-3) -> optax.GradientTransformation:
-    """optax.scale_by_param_block_rms with a scanned stack's layers as blocks of their own."""
+    """optax.scale_by_param_block_rms with a scanned stack's layers as blocks of their own, and
+    LoRA adapters left unscaled: `lora_b` starts at zero, so its step scaled by its own RMS
+    would stay at the `min_scale` floor (a thousandth of the rate) and the adapters would
+    barely move; `lora_a`, random and small, would move a few percent as fast."""
 
     def update(updates, state, params):
         def scale(path, u, p):
+            if getattr(path[-1], "key", None) in lora.ADAPTER_NAMES:
+                return u
             return u * jnp.maximum(_block_rms(path, p), min_scale)
 
         return jax.tree_util.tree_map_with_path(scale, updates, params), state
@@ -127,7 +133,8 @@ def adafactor(
     weight_decay_rate: float | None = None,
 ) -> Optimizer:
     """T5's Adafactor: factored second moments, decay 0.8, update clipping 1.0, updates scaled by
-    the parameter's RMS.
+    the parameter's RMS (`multiply_by_parameter_scale`; never a LoRA adapter's, which starts at
+    zero: see scale_by_param_block_rms, so LoRA needs no binding of its own).
 
     optax.adafactor's transformations in its order (so its state, and checkpoints of it, are
     the same), with update clipping and parameter scale per layer in a scanned stack. The

@@ -1,0 +1,234 @@
+"""Continuous decoding on the devices: a batch of slots, its two programs, and its state kept.
+
+A batch of `count` slots for inputs padded to `bucket` runs two compiled programs, each built
+once per (settings, count, bucket):
+- `insert`: encodes up to `insert_size(count)` new rows and writes their caches into free slots
+  (an index past the last slot drops a padding row);
+- `segment`: decodes every live slot one token per step until enough slots are free.
+
+Inserting a quarter of the slots at a time keeps the encoder's padding small (on a CPU the
+encoder costs about as much per row in any batch) while a batch that starts full needs only four
+insertions. The slot state has explicit shardings (its logical axes through the partitioner's
+rules), so an empty state is made on the host without a program of its own, and a finished
+batch's state is kept for the next batch of its shape: a row reads only the cache positions it
+wrote itself, so nothing needs clearing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+
+from t5tpu.model import decoding
+from t5tpu.partitioning import spec_for_shape
+
+
+def insert_size(count: int) -> int:
+    """Rows one insertion encodes: a quarter of the slots (at least one)."""
+    return max(1, count // 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """What a slot state's arrays depend on."""
+
+    count: int
+    bucket: int
+    max_length: int
+
+
+class StatePool:
+    """One idle slot state per shape, handed to the next batch of that shape; a batch that was
+    abandoned with rows in flight gives nothing back (its state is dropped). Each shape's
+    abstract state (shapes, dtypes, shardings) is worked out once: tracing the network for it
+    costs about as much as tracing a program."""
+
+    def __init__(self, *, network, partitioner, param_view=None):
+        self._network, self._partitioner = network, partitioner
+        self._view = param_view or (lambda params: params)
+        self._idle: dict[Shape, decoding.Slots] = {}
+        self._abstract: dict[Shape, decoding.Slots] = {}
+
+    def abstract(self, params, shape: Shape) -> decoding.Slots:
+        """The state of `shape` as jax.ShapeDtypeStructs with their shardings."""
+        if shape not in self._abstract:
+            # The network reads the parameters through the engine's view (a LoRA tree unwrapped).
+            viewed = jax.eval_shape(self._view, params)
+            module = self._network.module
+            shapes = decoding.slot_shapes(
+                module, viewed, shape.count, shape.bucket, shape.max_length
+            )
+            rules, sizes = self._partitioner.rules, self._partitioner.mesh_sizes
+
+            def placed(axes, leaf):
+                spec = spec_for_shape(axes, leaf.shape, rules, sizes)
+                sharding = self._partitioner.sharding(spec)
+                return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sharding)
+
+            self._abstract[shape] = jax.tree_util.tree_map(
+                placed, decoding.slot_axes(shapes), shapes, is_leaf=_is_axes
+            )
+        return self._abstract[shape]
+
+    def shardings(self, params, shape: Shape) -> decoding.Slots:
+        return jax.tree_util.tree_map(lambda x: x.sharding, self.abstract(params, shape))
+
+    def take(self, params, shape: Shape) -> decoding.Slots:
+        if shape in self._idle:
+            return self._idle.pop(shape)
+
+        def empty(leaf):
+            host = np.zeros(leaf.shape, leaf.dtype)
+            if leaf.dtype == np.bool_:
+                host[...] = True  # `done`: every slot free
+            return jax.make_array_from_process_local_data(leaf.sharding, host, leaf.shape)
+
+        return jax.tree_util.tree_map(empty, self.abstract(params, shape))
+
+    def give_back(self, shape: Shape, state: decoding.Slots) -> None:
+        self._idle[shape] = state
+
+    def clear(self) -> None:
+        self._idle.clear()
+
+
+def _is_axes(x) -> bool:
+    return isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
+
+
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """A slot batch's two compiled programs."""
+
+    insert: object
+    segment: object
+
+
+def compile_ahead(*, engine, programs: Programs, shape: Shape) -> None:
+    """Compiles both programs for their arguments' shapes without running them (a later call
+    finds them in jax's caches): warm-up compiles shapes in parallel this way."""
+    params = jax.tree_util.tree_map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), engine.params
+    )
+    state = engine.states.abstract(engine.params, shape)
+    replicated = engine.partitioner.replicated()
+
+    def arg(shape, dtype):
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
+
+    size = insert_size(shape.count)
+    rows = (arg((size, shape.bucket), np.int32), arg((size,), np.int32), arg((size, 2), np.uint32))
+    programs.insert.lower(params, state, *rows).compile()
+    programs.segment.lower(params, state, arg((), np.int32), arg((), np.int32)).compile()
+
+
+def build_insert(*, engine, request, shape: Shape):
+    """The program that starts rows in free slots (jit'd; compiled at its first call). The
+    state is donated: it is updated in place."""
+    module = engine.network.module
+    state = engine.states.shardings(engine.params, shape)
+    replicated = engine.partitioner.replicated()
+
+    def insert(params, slots, tokens, where, keys):
+        return decoding.insert_rows(module, params, slots, tokens, where, keys)
+
+    return engine.jit(insert, (state, replicated, replicated, replicated), state, (1,))
+
+
+def build_segment(*, engine, request, shape: Shape):
+    """The program that decodes a batch's live slots until enough are free (jit'd)."""
+    module, settings = engine.network.module, request.settings
+    picking = decoding.Picking(
+        engine.network.vocabulary.eos_id, settings.temperature, settings.top_k
+    )
+    state = engine.states.shardings(engine.params, shape)
+    replicated = engine.partitioner.replicated()
+
+    def segment(params, slots, free_wanted, max_steps):
+        slots = decoding.run_segment(module, params, slots, picking, free_wanted, max_steps)
+        return slots, slots.done, slots.out
+
+    return engine.jit(
+        segment, (state, replicated, replicated), (state, replicated, replicated), (1,)
+    )
+
+
+class SlotBatch:
+    """One continuous batch on the devices: its slots' state, which rows (`live`, by slot) they
+    hold, and its programs."""
+
+    def __init__(self, *, engine, request, shape: Shape):
+        self.engine, self.request, self.shape = engine, request, shape
+        self.count = shape.count
+        self.live: dict[int, object] = {}
+        self._programs = engine.programs_of(request, shape)
+        self._state = engine.states.take(engine.params, shape)
+
+    def insert(self, rows: list) -> None:
+        """Starts decoding `rows` in free slots, a quarter of the slots per insertion."""
+        size = insert_size(self.count)
+        for start in range(0, len(rows), size):
+            self._insert_some(rows[start : start + size], size)
+
+    def _insert_some(self, rows: list, size: int) -> None:
+        free = [slot for slot in range(self.count) if slot not in self.live]
+        where = np.full((size,), self.count, np.int32)  # past the last slot: dropped
+        where[: len(rows)] = free[: len(rows)]
+        tokens = padded([row.ids for row in rows], size, self.shape.bucket)
+        keys = np.zeros((size, 2), np.uint32)
+        if self.request.settings.samples:
+            keys[: len(rows)] = row_keys(rows)
+        put = self.engine.replicate
+        self._state = self._programs.insert(
+            self.engine.params, self._state, put(tokens), put(where), put(keys)
+        )
+        self.live.update(zip(free, rows, strict=False))
+
+    def run(self, *, free_wanted: int, max_steps: int) -> list[tuple[object, np.ndarray]]:
+        """Decodes until `free_wanted` slots are free (or `max_steps`); (row, ids) of the rows
+        that finished."""
+        put = self.engine.replicate
+        self._state, done, out = self._programs.segment(
+            self.engine.params,
+            self._state,
+            put(np.int32(min(free_wanted, self.count))),
+            put(np.int32(max_steps)),
+        )
+        done, out = np.asarray(done), np.asarray(out)
+        finished = [slot for slot in self.live if done[slot]]
+        return [(self.live.pop(slot), out[slot]) for slot in finished]
+
+    def warm_up(self) -> None:
+        """Runs both programs once without changing a slot: an insertion of padding only and a
+        segment of no steps."""
+        self._insert_some([], insert_size(self.count))
+        self.run(free_wanted=0, max_steps=0)
+
+    def close(self) -> None:
+        """Hands the state to the next batch of this shape, unless rows are still in flight."""
+        if not self.live and self._state is not None:
+            self.engine.states.give_back(self.shape, self._state)
+        self._state = None
+
+
+def padded(rows, count: int, length: int) -> np.ndarray:
+    """[count, length] int32 ids, rows cut to `length` and zero-padded (0 is T5's padding id,
+    which the network masks out)."""
+    out = np.zeros((count, length), np.int32)
+    for i, ids in enumerate(rows):
+        ids = list(ids)[:length]
+        out[i, : len(ids)] = ids
+    return out
+
+
+def row_keys(rows) -> np.ndarray:
+    """[len(rows), 2] sampling keys: each row's from its seed and index (engine.Row)."""
+    keys = np.zeros((len(rows), 2), np.uint32)
+    by_seed: dict[int, list[int]] = {}
+    for position, row in enumerate(rows):
+        by_seed.setdefault(row.seed, []).append(position)
+    for seed, positions in by_seed.items():
+        keys[positions] = decoding.row_keys(seed, [rows[p].index for p in positions])
+    return keys
