@@ -57,8 +57,10 @@ if [ -n "${T5TPU_WHEELS:-}" ]; then
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-# The tiny run's data and programs stay in $OUT; nothing is read from the network.
-export T5TPU_COMPILATION_CACHE="$OUT/jax_cache" TFDS_DATA_DIR="$OUT/tfds"
+# Compiled programs and data sets beside $OUT, not in it (it may be copied back whole); nothing
+# is read from the network.
+CACHE=${TMPDIR:-/tmp}/accelerator_check_cache
+export T5TPU_COMPILATION_CACHE="$CACHE/jax" TFDS_DATA_DIR="$CACHE/tfds"
 t5tpu() { "$PYTHON" -m t5tpu.cli.main "$@"; }
 
 "$PYTHON" -c 'import json, jax

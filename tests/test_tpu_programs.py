@@ -40,7 +40,7 @@ def programs():
         env=env,
         capture_output=True,
         text=True,
-        timeout=1800,
+        timeout=3600,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -159,9 +159,7 @@ def _segment(model, partitioner):
     )
     module, picking = model.module, decoding.Picking(eos_id=1)
     slots, inputs, max_length = SEGMENT["slots"], SEGMENT["inputs"], SEGMENT["max_length"]
-    state = jax.eval_shape(
-        lambda p: decoding.empty_slots(module, p, slots, inputs, max_length), params
-    )
+    state = decoding.slot_shapes(module, params, slots, inputs, max_length)
 
     def segment(params, state, free_wanted, max_steps):
         return decoding.run_segment(module, params, state, picking, free_wanted, max_steps)
