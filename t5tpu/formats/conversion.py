@@ -295,9 +295,7 @@ def to_hf(
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
     if lora_output not in LORA_OUTPUTS:
         raise UserError(f"--lora={lora_output!r}; use one of {', '.join(LORA_OUTPUTS)}")
-    checkpoint = _export_source(input_path)
-    # A half-copied one: one line, nothing written.
-    checkpoints.check_readable(checkpoint.step_dir.model_dir, checkpoint.step)
+    checkpoint = _export_source(input_path)  # a half-copied one: one line, nothing written
     _check_output(output_dir, input_path, overwrite)
     if lora_output == "adapters" and checkpoint.lora is None:
         raise UserError(f"--lora=adapters: {input_path} is not a LoRA run's checkpoint")

@@ -140,6 +140,9 @@ def in_model_dir(model_dir: str, step: int) -> Checkpoint:
     """Checkpoint `step` of a t5tpu MODEL_DIR, known to be there (the runners list the steps
     first), with its LoRA record if it is a LoRA run's."""
     model_dir = _absolute(model_dir.rstrip("/"))
+    # A damaged one is refused in one line before orbax reads it: its metadata in a traceback,
+    # or a restore that fails part-way, its worker threads printing tracebacks.
+    checkpoints.check_readable(model_dir, step)
     mngr = checkpoints.manager(model_dir, read_only=True)
     return Checkpoint(
         path=paths.checkpoint_dir(model_dir, step),
@@ -260,9 +263,6 @@ class Checkpoint:
         )
 
     def _restored(self, abstract_params, shardings):
-        # A damaged one is refused in one line before orbax starts: a restore that fails
-        # part-way leaves its worker threads printing tracebacks.
-        checkpoints.check_readable(self.step_dir.model_dir, self.step)
         return checkpoints.restore_params(
             self.manager, self.step, abstract_params, _placed(abstract_params, shardings)
         )
