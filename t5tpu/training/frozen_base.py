@@ -14,13 +14,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5tpu.model import encoder_decoder, lora
+from t5tpu.model import lora
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import trainer
 
 # serve/adapters.py's name for model/encoder_decoder.py's function, until serve calls that.
-adapted_model = encoder_decoder.adapted_model
 
 
 class _WithBase:
