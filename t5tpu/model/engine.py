@@ -446,6 +446,15 @@ class Engine:
             ),
         )
 
+    def ready_programs(self, request: Request, shape: slot_batch.Shape) -> slot_batch.Programs:
+        """programs_of, both compiled at once the first time the shape is met (a warmed-up
+        server has them all; an API call or infer meets its shapes as its rows come)."""
+        before = self.program_count
+        programs = self.programs_of(request, shape)
+        if self.program_count != before:
+            slot_batch.compile_ahead(engine=self, programs=programs, shape=shape, together=True)
+        return programs
+
     def _program(self, kind, request: Request | None, shape: tuple, build):
         family = request.family if request is not None else (kind,)
         return self._programs.get(family, (kind, *shape), lambda: build(request, *shape))

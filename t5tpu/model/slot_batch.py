@@ -16,6 +16,7 @@ wrote itself, so nothing needs clearing.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 
 import jax
@@ -106,9 +107,10 @@ class Programs:
     segment: object
 
 
-def compile_ahead(*, engine, programs: Programs, shape: Shape) -> None:
+def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = False) -> None:
     """Compiles both programs for their arguments' shapes without running them (a later call
-    finds them in jax's caches): warm-up compiles shapes in parallel this way."""
+    finds them in jax's caches): warm-up compiles shapes in parallel this way, and a shape met
+    first in a call compiles its two programs `together` (XLA compiles each on one core)."""
     params = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), engine.params
     )
@@ -120,8 +122,15 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape) -> None:
 
     size = insert_size(shape.count)
     rows = (arg((size, shape.bucket), np.int32), arg((size,), np.int32), arg((size, 2), np.uint32))
-    programs.insert.lower(params, state, *rows).compile()
-    programs.segment.lower(params, state, arg((), np.int32), arg((), np.int32)).compile()
+    compiles = (
+        lambda: programs.insert.lower(params, state, *rows).compile(),
+        lambda: programs.segment.lower(
+            params, state, arg((), np.int32), arg((), np.int32)
+        ).compile(),
+    )
+    with concurrent.futures.ThreadPoolExecutor(2 if together else 1) as pool:
+        for future in [pool.submit(compile) for compile in compiles]:
+            future.result()
 
 
 def build_insert(*, engine, request, shape: Shape):
@@ -163,7 +172,7 @@ class SlotBatch:
         self.engine, self.request, self.shape = engine, request, shape
         self.count = shape.count
         self.live: dict[int, object] = {}
-        self._programs = engine.programs_of(request, shape)
+        self._programs = engine.ready_programs(request, shape)
         self._state = engine.states.take(engine.params, shape)
 
     def insert(self, rows: list) -> None:
