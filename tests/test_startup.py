@@ -3,7 +3,7 @@ by the second, skipped with one warning where it cannot be written, identical pr
 either way), the commands that need no TensorFlow not importing it, and the SentencePiece
 vocabulary that lets them decode without it giving seqio's ids and text.
 
-Timings are not asserted here; docs/PERFORMANCE.md ("First answer") records them."""
+Timings are not asserted here (`git log -p docs/PERFORMANCE.md`, "First answer", has them)."""
 
 import copy
 import json

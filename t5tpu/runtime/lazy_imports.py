@@ -1,9 +1,8 @@
 """TensorFlow and seqio, imported when first used.
 
-Importing them is a large part of a command's start (seqio imports TensorFlow; see
-docs/PERFORMANCE.md, "First answer"), yet parsing gin files, `t5tpu plan`, the tools and
-decoding inputs given on the command line need neither. The modules that use them for tasks,
-input pipelines and file checks write
+Importing them is a large part of a command's start (seqio imports TensorFlow), yet parsing
+gin files, `t5tpu plan`, the tools and decoding inputs given on the command line need neither.
+The modules that use them for tasks, input pipelines and file checks write
 
     from t5tpu.runtime.lazy_imports import seqio, tf
 
