@@ -106,3 +106,18 @@ def test_train_steps_are_read_for_continuous_evaluation():
     assert steps == runner_settings.TrainSteps(train_steps=7, relative_steps=False)
     gin_setup.parse([TINY_EXPERIMENT], ["TRAIN_STEPS = 7", "train.relative_steps = True"], [])
     assert runner_settings.bound_settings(train.train, runner_settings.TrainSteps).relative_steps
+
+
+def test_a_runners_settings_by_name_need_no_gin_file_and_no_import_of_runners():
+    """`t5tpu serve --model=DIR` reads infer's settings by name (serve does not import runners),
+    and may parse no gin file at all: a fresh process finds infer's defaults all the same."""
+    import subprocess
+    import sys
+
+    code = (
+        "from t5tpu.config import runner_settings as r\n"
+        "s = r.bound_settings('infer', r.InferSettings)\n"
+        "print(s.num_beams, s.truncation, s.beam_alpha)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["1", "warn", "0.6"]

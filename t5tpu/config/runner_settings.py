@@ -56,8 +56,9 @@ def bound_settings(runner: Callable | str, settings: type[T]) -> T:
     """`settings` (a dataclass) with each field the value `runner`'s argument of that name is
     bound to, else the runner's default, else None (gin.REQUIRED counts as unbound). `runner`
     may be the name gin knows it by: `t5tpu serve` reads infer's settings so, from a layer
-    below the runners (its configurable is registered once gin files are parsed)."""
+    below the runners."""
     if isinstance(runner, str):
+        gin_setup.import_configurables()  # registered even when no gin file was parsed
         runner = gin.get_configurable(runner)
     parameters = inspect.signature(runner).parameters
     values = {}
