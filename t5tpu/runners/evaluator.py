@@ -140,7 +140,8 @@ class TaskEvaluator:
         results = []
         for decoded in self._engine.stream(feed, self.request):
             results.append((decoded.row.tag, decoded.ids.tolist()))
-            progress.add(1)
+            if len(results) % self._engine.batch_size == 0 or len(results) == len(examples):
+                progress.add(len(results) - progress.count)  # a batch's worth at a time
         return results
 
     def _score(self, ds: tf.data.Dataset, *, step: int) -> list:
