@@ -276,6 +276,17 @@ def test_the_memory_plan_table_has_a_row_per_tpu_experiment():
 @pytest.mark.slow
 def test_the_memory_plan_table_is_the_generated_one():
     """Plans every TPU experiment (no compile; seconds each, a minute for a step that does not
-    fit, whose knobs are replanned)."""
-    text = _plan_doc()
-    assert plan_table.with_table(text) == text, f"docs/memory_plan.md: run {PLAN_TABLE_REGENERATE}"
+    fit, whose knobs are replanned); each experiment file's header states the plan's peak."""
+    text, rendered = _plan_doc(), plan_table.table()
+    assert plan_table.with_table(text, rendered) == text, (
+        f"docs/memory_plan.md: run {PLAN_TABLE_REGENERATE}"
+    )
+    peaks = {
+        tuple(cells[:3]): cells[12].strip("*")
+        for cells in (
+            [cell.strip() for cell in line.split("|")[1:-1]] for line in rendered.splitlines()[2:]
+        )
+    }
+    for path in plan_table.experiments():
+        header = (pathlib.Path(ROOT) / path).read_text(encoding="utf-8")
+        assert f"peak {peaks[plan_table._name_parts(path)]} GiB of" in header, path

@@ -28,7 +28,7 @@ MESHES = {"8x1": 1, "4x2": 2, "2x4": 4, "1x8": 8}
 
 
 def _specs(rules, mesh, config=None):
-    boxed = boxed_params(config or CONFIG, 16, 8)
+    boxed = boxed_params(config or CONFIG)
     specs = partitioning.param_specs(boxed, rules, mesh)
     flat = {}
     import jax
@@ -120,7 +120,7 @@ def _opt_specs(optimizer):
     import flax.linen as nn
     import jax
 
-    boxed = boxed_params(CONFIG, 16, 8)
+    boxed = boxed_params(CONFIG)
     params = nn.unbox(boxed)
     rules = partitioning.standard_logical_axis_rules()
     specs = partitioning.param_specs(boxed, rules, MESH_4X2)

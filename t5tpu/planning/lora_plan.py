@@ -41,7 +41,7 @@ def plan_lora_training(
     """The per-device plan of `t5tpu train` training `settings`' adapters on a frozen base."""
     full = memory_plan.plan_training(config, optimizer, partitioner, work, num_devices)
     adapted = dataclasses.replace(config, lora=settings)
-    boxed = boxed_params(adapted, work.input_length, work.target_length)
+    boxed = boxed_params(adapted)
     _, boxed_adapters = lora.split(boxed)
     itemsize = jnp.dtype(settings.base_dtype).itemsize
     rows = [

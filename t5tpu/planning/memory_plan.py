@@ -286,7 +286,7 @@ def _scanned_layer_saved(act: _Activations, input_length: int, target_length: in
 
 def _layer_param_count(config: T5Config) -> int:
     """Parameters of the whole model; two depths apart, they give one layer's."""
-    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(boxed_params(config, 1, 1)))
+    return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(boxed_params(config)))
 
 
 def _stack_layers_kept(act: _Activations, num_layers: int, length: int, cross_length, compiler):
@@ -347,7 +347,7 @@ def plan_training(
     compiler of the partitioner's topology builds the step."""
     compiler = compiler_for(partitioner.topology)
     mesh = partitioning.mesh_shape(num_devices, partitioner.num_partitions)
-    boxed = boxed_params(config, work.input_length, work.target_length)
+    boxed = boxed_params(config)
     rows = placements(boxed, partitioner.rules, mesh)
     params = sum(p.bytes_per_device for p in rows)
     output_layers = ("token_embedder/embedding", "decoder/logits_dense/kernel")
