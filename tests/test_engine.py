@@ -164,6 +164,16 @@ def test_buckets_and_row_counts():
     assert [slot_batch.insert_size(n) for n in (1, 2, 8, 32)] == [1, 1, 2, 8]
 
 
+def test_a_known_lists_bucket_of_few_rows_joins_a_longer_one():
+    """generate, score and eval know all their rows: a padded length that fewer than `fill` of
+    them take compiles no programs of its own."""
+    lengths = [3] * 5 + [20] * 10 + [40] * 3  # buckets 16, 32 and 64 (the longest)
+    bucket = lambda n: engine.bucket_length(n, 64)  # noqa: E731
+    for fill, expected in [(0, [16, 32, 64]), (8, [32, 32, 64]), (16, [64, 64, 64])]:
+        fitted = engine.fitted_buckets(bucket, lengths, fill=fill)
+        assert [fitted(n) for n in (3, 20, 40)] == expected, fill
+
+
 def test_warm_up_compiles_the_documented_programs_and_decoding_compiles_none(tiny):
     server = _engine(tiny, batch_size=8, smaller_batches=True)
     request = engine.Request(decoding.DecodingSettings(), MAX_LENGTH)

@@ -39,6 +39,8 @@ from t5tpu.partitioning import Partitioner
 SHORTEST_BUCKET = 16
 # Threads that compile a warm-up's programs at once (each XLA compile keeps about one core busy).
 _COMPILE_THREADS = 4
+# A known list's bucket that fills fewer batches than this is merged into a longer one.
+_FEW_BATCHES = 4
 # Settings other than the pinned ones whose programs are kept (each has one program per shape).
 _KEPT_SETTINGS = 8
 
@@ -97,12 +99,29 @@ class Feed(Protocol):
     def take(self, count: int, bucket: int) -> list[Row]: ...
 
 
-class ListFeed:
-    """A Feed over a list of rows, shortest first (rows of a bucket run together)."""
+def fitted_buckets(
+    bucket: Callable[[int], int], lengths: Iterable[int], *, fill: int
+) -> Callable[[int], int]:
+    """`bucket`, with each padded length that fewer than `fill` of `lengths` take merged into
+    the next longer one: a shape's programs cost more to compile than a few rows' padding."""
+    counts = collections.Counter(bucket(n) for n in lengths)
+    merged, carried, held = {}, 0, []
+    for padded in sorted(counts):
+        carried += counts[padded]
+        held.append(padded)
+        if carried >= fill or padded == max(counts):
+            merged.update(dict.fromkeys(held, padded))
+            carried, held = 0, []
+    return lambda length: merged.get(bucket(length), bucket(length))
 
-    def __init__(self, rows: Iterable[Row], *, bucket: Callable[[int], int]):
+
+class ListFeed:
+    """A Feed over a list of rows, shortest first (rows of a bucket run together). With `fill`,
+    a bucket of fewer rows than that joins a longer one (fitted_buckets)."""
+
+    def __init__(self, rows: Iterable[Row], *, bucket: Callable[[int], int], fill: int = 0):
         self._rows = collections.deque(sorted(rows, key=lambda row: len(row.ids)))
-        self._bucket = bucket
+        self._bucket = fitted_buckets(bucket, (len(r.ids) for r in self._rows), fill=fill)
 
     def next_bucket(self) -> int | None:
         return self._bucket(len(self._rows[0].ids)) if self._rows else None
@@ -246,6 +265,12 @@ class Engine:
     def bucket(self, length: int, limit: int | None = None) -> int:
         return bucket_length(length, limit or self.max_input_length)
 
+    @property
+    def few_rows(self) -> int:
+        """Fewer rows than this in a bucket of a known list (generate, score, eval) are padded
+        into a longer bucket than compile programs of their own."""
+        return _FEW_BATCHES * self.batch_size
+
     def slots_for(self, rows: int) -> int:
         """The row count a batch of `rows` is padded to: the batch size, or with
         `smaller_batches` (a server's light load) the smallest of `slot_counts` that holds them."""
@@ -277,6 +302,7 @@ class Engine:
         feed = ListFeed(
             (Row(tuple(ids), first + i, seed, tag=i) for i, ids in enumerate(rows)),
             bucket=self.bucket,
+            fill=self.few_rows,
         )
         out: list[np.ndarray | None] = [None] * len(rows)
         for decoded in self.stream(feed, request):
@@ -399,15 +425,24 @@ class Engine:
         over the target's tokens; rows batched by input length."""
         order = sorted(range(len(inputs)), key=lambda i: len(inputs[i]))
         scores = np.zeros((len(inputs),), np.float32)
+        few = self.few_rows
+        buckets = (
+            fitted_buckets(self.bucket, map(len, inputs), fill=few),
+            fitted_buckets(
+                lambda n: self.bucket(n, self.max_target_length), map(len, targets), fill=few
+            ),
+        )
         for start in range(0, len(order), self.batch_size):
             rows = order[start : start + self.batch_size]
-            scores[rows] = self._score_batch([inputs[i] for i in rows], [targets[i] for i in rows])
+            scores[rows] = self._score_batch(
+                [inputs[i] for i in rows], [targets[i] for i in rows], buckets
+            )
         return scores
 
-    def _score_batch(self, inputs, targets) -> np.ndarray:
+    def _score_batch(self, inputs, targets, buckets) -> np.ndarray:
         count = self.slots_for(len(inputs))
-        length = self.bucket(max(map(len, inputs)))
-        target_length = self.bucket(max(map(len, targets)), self.max_target_length)
+        length = buckets[0](max(map(len, inputs)))
+        target_length = buckets[1](max(map(len, targets)))
         target_ids = slot_batch.padded(targets, count, target_length)
         decoder_inputs = np.pad(target_ids, ((0, 0), (1, 0)))[:, :-1]  # shifted right
         arrays = (slot_batch.padded(inputs, count, length), decoder_inputs, target_ids)

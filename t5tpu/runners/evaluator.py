@@ -136,6 +136,7 @@ class TaskEvaluator:
                 for i, ex in enumerate(examples)
             ),
             bucket=self._engine.bucket,
+            fill=self._engine.few_rows,
         )
         results = []
         for decoded in self._engine.stream(feed, self.request):

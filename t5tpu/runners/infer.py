@@ -155,6 +155,7 @@ class _Decoder:
             pinned=self.request,
         )
         self._engine: engine.Engine | None = None
+        self._fill = None  # rows a bucket needs for programs of its own; all, once compiled
 
     def use(self, params) -> None:
         """Decodes with `params` from now on (the compiled programs are kept)."""
@@ -168,6 +169,7 @@ class _Decoder:
         than decoding, so a long run that met a rare long input late would reach its peak then;
         compiled first, the peak is the same for any input count."""
         self._engine.warm_up(self.request, counts=[self._engine.batch_size])
+        self._fill = 0
 
     def lines(self, span: infer_chunks.Span, examples: list[_Example], stop) -> list[str] | None:
         """One JSON line per example, in input order; None when `stop()` says so (the piece is
@@ -176,7 +178,8 @@ class _Decoder:
             engine.Row(ex.ids, index=span.start + i, seed=self.settings.seed, tag=i)
             for i, ex in enumerate(examples)
         )
-        feed = engine.ListFeed(rows, bucket=self._engine.bucket)
+        fill = self._engine.few_rows if self._fill is None else self._fill
+        feed = engine.ListFeed(rows, bucket=self._engine.bucket, fill=fill)
         predictions = {
             decoded.row.tag: decoded.ids
             for decoded in self._engine.stream(feed, self.request, stop=stop)
