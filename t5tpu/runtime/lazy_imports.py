@@ -92,11 +92,28 @@ class _QuietLoader(importlib.abc.Loader):
         with _stderr_muted():
             self._loader.exec_module(module)
             module.config.set_visible_devices([], "GPU")
+        _trace_as_written()
         if _QUIET_FINDER in sys.meta_path:
             sys.meta_path.remove(_QUIET_FINDER)
 
 
 _QUIET_FINDER = _QuietTensorFlowFinder()
+
+# Packages whose tf.data functions are graph code as written (tf.cond, tf.while_loop): tf.data
+# traces them without autograph, whose rewriting of their source took seconds of every start.
+# `tasks` is this project's task modules (the import name is theirs in any process using them).
+AS_WRITTEN = ("seqio", "t5tpu", "tasks")
+
+
+def _trace_as_written() -> None:
+    """Autograph's rules, with AS_WRITTEN's packages first as not to be converted. The rules
+    are TensorFlow's internals: where they moved, everything is converted, as by default."""
+    try:
+        from tensorflow.python.autograph.core import config
+    except ImportError:
+        return
+    rules = tuple(config.DoNotConvert(name) for name in AS_WRITTEN)
+    config.CONVERSION_RULES = rules + tuple(config.CONVERSION_RULES)
 
 
 def _import_seqio() -> ModuleType:
