@@ -72,6 +72,7 @@ def trained(tmp_path_factory):
     return model_dir, run.stdout, read_jsonl(path)
 
 
+@pytest.mark.slow  # trains through the command line
 def test_tiny_byt5_trains_evaluates_and_infers_offline(trained):
     _, stdout, rows = trained
     losses = _losses(stdout)
@@ -83,6 +84,7 @@ def test_tiny_byt5_trains_evaluates_and_infers_offline(trained):
     assert all(row["target"] in ("0", "1") and isinstance(row["prediction"], str) for row in rows)
 
 
+@pytest.mark.slow
 def test_the_hf_export_carries_a_byte_tokenizer_transformers_runs_offline(trained, tmp_path):
     import transformers  # torch: only this test needs it
 

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, foreign_log_lines, t5tpu
 
 VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"  # the T5 1.1 models' own
@@ -67,6 +68,7 @@ print("answer:", t5tpu.load(model_dir).predict(["is duplicate: a? <SEP> b?"])[0]
 """
 
 
+@pytest.mark.slow  # needs the trained_tiny run
 def test_the_python_api_fails_and_decodes_without_foreign_lines(trained_tiny, tmp_path):
     vocabulary_gin = tmp_path / "vocabulary.gin"
     vocabulary_gin.write_text(f"MODEL/{SETTING} = '{VOCABULARY}'\n")
