@@ -105,14 +105,19 @@ def fitted_buckets(
     """`bucket`, with each padded length that fewer than `fill` of `lengths` take merged into
     the next longer one: a shape's programs cost more to compile than a few rows' padding."""
     counts = collections.Counter(bucket(n) for n in lengths)
-    merged, carried, held = {}, 0, []
+    longest, merged, carried, held = max(counts, default=0), {}, 0, []
     for padded in sorted(counts):
         carried += counts[padded]
         held.append(padded)
-        if carried >= fill or padded == max(counts):
+        if carried >= fill or padded == longest:
             merged.update(dict.fromkeys(held, padded))
             carried, held = 0, []
-    return lambda length: merged.get(bucket(length), bucket(length))
+
+    def fitted(length: int) -> int:
+        padded = bucket(length)
+        return merged.get(padded, padded)
+
+    return fitted
 
 
 class ListFeed:
