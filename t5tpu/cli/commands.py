@@ -48,6 +48,10 @@ class GinCommand:
     # Parsed before the user's gin files, which rebind what they set (plan: a model gin alone
     # is enough).
     defaults_files: tuple[str, ...] = ()
+    # Runs train steps: the process keeps freed host memory for the next step's temporaries
+    # (runtime/host_memory.py). The others keep glibc's per-thread heaps, on which XLA's
+    # compiler threads do not queue for one lock.
+    trains: bool = False
 
     def load_runner(self) -> Callable[[], object]:
         module, function = self.runner.split(":")
@@ -62,6 +66,7 @@ class ToolCommand:
     module: ModuleType
     tensorflow: bool  # reads or writes through TensorFlow: load it quietly first
     compilation_cache: bool  # compiles JAX programs worth keeping for the next run
+    trains: bool = False  # runs train steps (GinCommand.trains)
 
     @property
     def name(self) -> str:
@@ -92,6 +97,7 @@ _NUM_BEAMS = Macro("NUM_BEAMS", "1", "above 1: beam search (length penalty 0.6)"
 
 TRAIN = GinCommand(
     name="train",
+    trains=True,
     summary="fine-tune (or train from scratch) a T5 model; a rerun continues from its checkpoint",
     runner="t5tpu.runners.train:train",
     run_file="configs/runs/finetune.gin",
@@ -212,7 +218,7 @@ TOOLS = {
         ToolCommand(module=convert, tensorflow=False, compilation_cache=True),
         # TensorFlow only for its pipeline workload (seqio's), imported there when it comes: the
         # model workloads run on a machine without it (scripts/accelerator_check.sh).
-        ToolCommand(module=bench, tensorflow=False, compilation_cache=True),
+        ToolCommand(module=bench, tensorflow=False, compilation_cache=True, trains=True),
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
         # The task routes build prompts with TensorFlow: loaded before the server starts, so
         # its import neither delays a request nor mutes the server's output while it runs.

@@ -136,9 +136,18 @@ def print_help(words: list[str]) -> None:
         print(help_text.gin_command(command))
 
 
+def trains(words: list[str]) -> bool:
+    """Whether the command line runs train steps (the first word naming a command says: absl
+    takes flags before it)."""
+    named = next((commands.find(w) for w in words if commands.find(w)), None)
+    return named is not None and named.trains
+
+
 def run() -> None:
     """Console-script entry point."""
-    host_memory.keep_freed_memory()  # before jax or TensorFlow start their threads
+    words = sys.argv[1:]
+    if trains(words):
+        host_memory.keep_freed_memory()  # before jax or TensorFlow start their threads
     # Whoever imports TensorFlow first (seqio, etils' gs:// client), it prints nothing.
     lazy_imports.quiet_tensorflow_imports()
     # Our progress and results are printed; orbax, seqio and gin log routine notes as warnings
@@ -147,7 +156,6 @@ def run() -> None:
     # Before absl's app starts (the helper commands, `t5tpu serve` among them, run without it),
     # Python's root logger, which gin logs to, would print through its last-resort handler.
     std_logging.getLogger().setLevel(std_logging.CRITICAL)
-    words = sys.argv[1:]
     if words and words[0] in commands.TOOLS:
         run_tool(commands.TOOLS[words[0]], words[1:])
     if HELP_WORDS & set(words):
