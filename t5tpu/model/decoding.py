@@ -95,18 +95,22 @@ def _pick_next(logits: Array, rng: Array, temperature: float, top_k: int) -> Arr
 
 def _encode_and_make_cache(module, params, encoder_input_tokens: Array, max_decode_length: int):
     """Runs the encoder once and creates the decoder cache for `max_decode_length` positions."""
-    batch = encoder_input_tokens.shape[0]
     encoded = module.apply({"params": params}, encoder_input_tokens, method="encode")
+    return encoded, _make_cache(module, params, encoded, encoder_input_tokens, max_decode_length)
+
+
+def _make_cache(module, params, encoded, encoder_input_tokens, max_decode_length: int):
+    """The decoder cache for `max_decode_length` positions over `encoded`."""
     _, fresh = module.apply(
         {"params": params},
         encoded,
         encoder_input_tokens,
-        jnp.zeros((batch, max_decode_length), jnp.int32),
+        jnp.zeros((encoded.shape[0], max_decode_length), jnp.int32),
         decode=True,
         mutable=["cache"],
         method="decode",
     )
-    return encoded, fresh["cache"]
+    return fresh["cache"]
 
 
 def _decoder_step(module, params, cache, encoded, encoder_input_tokens, token, position):
@@ -162,8 +166,12 @@ def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -
 
     def empty(params):
         tokens = jnp.zeros((rows, input_length), jnp.int32)
+        # The encoder output's shape is known: tracing the encoder too would double the cost.
+        encoded = jnp.zeros(
+            (rows, input_length, module.config.emb_dim), module.config.activation_dtype
+        )
         return Slots(
-            cache=_encode_and_make_cache(module, params, tokens, max_length)[1],
+            cache=_make_cache(module, params, encoded, tokens, max_length),
             encoder_tokens=tokens,
             token=jnp.zeros((rows,), jnp.int32),
             position=jnp.zeros((rows,), jnp.int32),
