@@ -222,7 +222,7 @@ TOOLS = {
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
         # The task routes build prompts with TensorFlow: loaded before the server starts, so
         # its import neither delays a request nor mutes the server's output while it runs.
-        ToolCommand(module=serve, tensorflow=True, compilation_cache=True),
+        ToolCommand(module=serve, tensorflow=False, compilation_cache=True),
         ToolCommand(module=vertex_deploy, tensorflow=False, compilation_cache=False),
     )
 }

@@ -10,6 +10,7 @@ and the command exits with the loading error's one line.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import os
@@ -79,15 +80,18 @@ class _Worker:
 
     def _prepare(self) -> ModelWorker:
         start = time.perf_counter()
-        model_worker = self.load()
+        model_worker = self.load()  # parses the model's gin files: nothing may read gin now
         if self.warm_up:
             say(
                 f"compiling {model_worker.programs_needed} decoding programs "
                 f"({len(model_worker.batch_sizes)} batch sizes)"
             )
-            programs = model_worker.warm_up(stopping=self.stopping.is_set)
-            if not self.stopping.is_set():
-                self.service.tasks.warm_up()
+            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tasks") as pool:
+                # The task routes' first prompt imports TensorFlow and builds its graphs:
+                # seconds of Python, beside XLA's compiling.
+                tasks = pool.submit(self.service.tasks.warm_up)
+                programs = model_worker.warm_up(stopping=self.stopping.is_set)
+                tasks.result()
             say(f"{programs} programs ready")
         say(f"ready in {time.perf_counter() - start:.1f} s")
         return model_worker
