@@ -13,6 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import gc
 import os
 import signal
 import socket
@@ -93,6 +94,10 @@ class _Worker:
                 programs = model_worker.warm_up(stopping=self.stopping.is_set)
                 tasks.result()
             say(f"{programs} programs ready")
+        # What is loaded now lives as long as the server: a full collection walking it would
+        # stall every request in flight (a few tenths of a second), so the collector skips it.
+        gc.collect()
+        gc.freeze()
         say(f"ready in {time.perf_counter() - start:.1f} s")
         return model_worker
 
