@@ -220,8 +220,8 @@ TOOLS = {
         # model workloads run on a machine without it (scripts/accelerator_check.sh).
         ToolCommand(module=bench, tensorflow=False, compilation_cache=True, trains=True),
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
-        # The task routes build prompts with TensorFlow: loaded before the server starts, so
-        # its import neither delays a request nor mutes the server's output while it runs.
+        # The task routes build prompts with TensorFlow: imported during the warm-up, beside
+        # the compiles (serve/server.py), or, with --no_warmup, before the server listens.
         ToolCommand(module=serve, tensorflow=False, compilation_cache=True),
         ToolCommand(module=vertex_deploy, tensorflow=False, compilation_cache=False),
     )

@@ -15,6 +15,7 @@ from t5tpu import validators
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
 from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.errors import UserError
+from t5tpu.runtime import lazy_imports
 
 NAME = "serve"
 SUMMARY = "answer HTTP requests with a model, batching requests that arrive together"
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
 
     from t5tpu.serve import app, batcher, model_setup, server
 
+    if args.no_warmup:  # else the warm-up imports it: a first request must not wait for it
+        lazy_imports.import_tensorflow_quietly()
     setup = model_setup.model_setup(
         gin_flags=model_setup.GinFlags(
             files=tuple(args.gin_file),
