@@ -122,8 +122,8 @@ def print_help(words: list[str]) -> None:
         named = next((w for w in words[1:] if not w.startswith("-")), None)
     elif not words[0].startswith("-"):
         named = words[0]
-    else:  # flags first (absl takes them anywhere): the first word naming a command, if any
-        named = next((w for w in words if commands.find(w)), None)
+    else:  # flags first
+        named = first_command_word(words)
     if named is None or named == "help":
         print(help_text.overview())
         return
@@ -136,11 +136,15 @@ def print_help(words: list[str]) -> None:
         print(help_text.gin_command(command))
 
 
+def first_command_word(words: list[str]) -> str | None:
+    """The first word naming a command, if any (absl takes flags anywhere, before it too)."""
+    return next((w for w in words if commands.find(w)), None)
+
+
 def trains(words: list[str]) -> bool:
-    """Whether the command line runs train steps (the first word naming a command says: absl
-    takes flags before it)."""
-    named = next((commands.find(w) for w in words if commands.find(w)), None)
-    return named is not None and named.trains
+    """Whether the command line runs train steps."""
+    word = first_command_word(words)
+    return word is not None and commands.find(word).trains
 
 
 def run() -> None:
