@@ -21,6 +21,7 @@ import numpy as np
 
 from t5tpu import validators
 from t5tpu.errors import UserError
+from t5tpu.model import precision
 from t5tpu.model.layers import CACHE_AXES
 
 Array = jax.Array
@@ -215,7 +216,8 @@ def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys:
         if _path_names(path)[-1] == "max_length" or _is_self_attention_cache(path):
             return old
         index = (slice(None),) * _batch_axis(path) + (where,)
-        return old.at[index].set(new, mode="drop")
+        write = lambda cache, rows: cache.at[index].set(rows, mode="drop")
+        return precision.on_bits(write, old, new.astype(old.dtype))
 
     def rows(old, new):
         return old.at[where].set(new, mode="drop")

@@ -124,7 +124,7 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        rows = _on_bits(lambda table: jnp.take(table, ids, axis=0), self.embedding)
+        rows = precision.on_bits(lambda table: jnp.take(table, ids, axis=0), self.embedding)
         return rows.astype(self.dtype)
 
     def attend(self, x: Array) -> Array:
@@ -312,21 +312,11 @@ class MultiHeadAttention(nn.Module):
         return k.value, v.value
 
 
-def _on_bits(fn: Callable, *arrays: Array) -> Array:
-    """fn (a gather or an update, which only moves elements) applied to bfloat16 arrays as
-    their bits: XLA:CPU would convert a whole bfloat16 table or cache to float32 and back
-    around it, a copy as large as the array, at every decoding step for the cache."""
-    if arrays[0].dtype != jnp.bfloat16:
-        return fn(*arrays)
-    bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in arrays]
-    return jax.lax.bitcast_convert_type(fn(*bits), jnp.bfloat16)
-
-
 def _write_position(cache: Array, new: Array, position: Array) -> Array:
     """Writes `new` ([batch, heads, 1, kv]) into the cache at `position`: one position for every
     row (a scalar), or each row's own ([batch]) when rows decode at different positions."""
     if cache.dtype == jnp.bfloat16:
-        return _on_bits(lambda c, n: _write_position(c, n, position), cache, new)
+        return precision.on_bits(lambda c, n: _write_position(c, n, position), cache, new)
     if jnp.ndim(position) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, position, 0))
     at = jnp.arange(cache.shape[2])[None, None, :, None] == position[:, None, None, None]

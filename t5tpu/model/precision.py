@@ -29,6 +29,7 @@ compile-only devices of a slice count as TPU), else from jax's default backend.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,16 @@ def cast_params(params, dtype, shardings=None):
         return jax.tree_util.tree_map(lambda x: x.astype(dtype) if floating(x) else x, tree)
 
     return jax.jit(cast, out_shardings=shardings)(params)
+
+
+def on_bits(fn: Callable, *arrays: Array) -> Array:
+    """fn (a gather, slice or scatter, which only moves elements) applied to bfloat16 arrays as
+    their bits: XLA:CPU converts a whole bfloat16 operand of such an op to float32 and back
+    around it, a copy as large as the array (a vocabulary's embedding table, a cache)."""
+    if arrays[0].dtype != jnp.bfloat16:
+        return fn(*arrays)
+    bits = [jax.lax.bitcast_convert_type(x, jnp.uint16) for x in arrays]
+    return jax.lax.bitcast_convert_type(fn(*bits), jnp.bfloat16)
 
 
 def einsum(spec: str, x: Array, y: Array, dtype, out_dtype=None) -> Array:
