@@ -184,6 +184,28 @@ def _engine_program_texts(config, params) -> dict[str, str]:
     return texts
 
 
+def test_the_engine_gathers_embeddings_from_bits_without_copying_the_table():
+    """The engine holds a bf16 embedding table as its bits: no program it compiles makes an
+    array of the table's shape (before, each segment call copied the whole table to its bits,
+    XLA having moved that conversion out of the decoding loop). Embed reads either form alike,
+    and the Python API hands the table back in bf16."""
+    module, params, tokens = _tiny_network("bfloat16")
+    params = precision.cast_params(params, BF16)
+    held = layers.embeddings_as_bits(params)
+    assert held["token_embedder"]["embedding"].dtype == jnp.uint16
+    assert held["decoder"]["logits_dense"]["kernel"].dtype == BF16
+    restored = layers.embeddings_from_bits(held)["token_embedder"]["embedding"]
+    np.testing.assert_array_equal(restored, params["token_embedder"]["embedding"])
+    want = module.apply({"params": params}, tokens, tokens[:, :8])
+    np.testing.assert_array_equal(module.apply({"params": held}, tokens, tokens[:, :8]), want)
+
+    table = f"{module.config.vocab_size},{module.config.emb_dim}"
+    # Passing the table along (parameter, get-tuple-element, bitcast) moves no data.
+    made = re.compile(rf"= \w+\[{table}\]\S* (?!(?:parameter|get-tuple-element|bitcast)\()[\w-]+\(")
+    for name, text in _engine_program_texts(module.config, params).items():
+        assert (copy := made.search(text)) is None, (name, copy.group(0))
+
+
 def test_float32_is_plain_float32():
     module, params, tokens = _tiny_network("float32")
     dots = compiled_dots(lambda p: module.apply({"params": p}, tokens, tokens[:, :8]), params)

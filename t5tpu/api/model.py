@@ -22,7 +22,7 @@ import numpy as np
 
 from t5tpu import validators
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
+from t5tpu.model import decoding, layers
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request, encode
 from t5tpu.partitioning import Partitioner
@@ -92,11 +92,12 @@ class T5Model:
 
     @property
     def params(self):
-        """The parameters on the devices, in the model's dtype."""
-        return self.engine.params
+        """The parameters on the devices, in the model's dtype (a copy of the embedding table,
+        which the engine holds as its bits in bfloat16)."""
+        return layers.embeddings_from_bits(self.engine.params)
 
     def __repr__(self) -> str:
-        count = sum(x.size for x in jax.tree_util.tree_leaves(self.params))
+        count = sum(x.size for x in jax.tree_util.tree_leaves(self.engine.params))
         return f"T5Model({self.source!r}, {count:,} parameters)"
 
     @property

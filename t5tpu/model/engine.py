@@ -13,7 +13,8 @@ Everything between rows of token ids and compiled programs lives here, once:
 - sampling draws each input from a key of its own, `fold_in(PRNGKey(seed), index)`, so what
   an input decodes to never depends on its batch mates, its slot or when it joined;
 - parameters are cast once, here, to the network's activation dtype (bf16 weights are read by
-  every decoding step: half the memory traffic of float32);
+  every decoding step: half the memory traffic of float32), a bf16 embedding table held as its
+  bits (layers.embeddings_as_bits);
 - compiled programs are kept per (kind, settings, shape): the pinned settings' for good, a
   bounded number of other settings' by last use.
 """
@@ -32,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding, precision, slot_batch
+from t5tpu.model import decoding, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -296,7 +297,8 @@ class Engine:
         if not self._cast:
             return params
         dtype = self.network.config.activation_dtype
-        return precision.cast_params(params, dtype, self._param_shardings)
+        cast = precision.cast_params(params, dtype, self._param_shardings)
+        return layers.embeddings_as_bits(cast)
 
     # --- decoding ---------------------------------------------------------------------------
 
