@@ -139,7 +139,11 @@ def embeddings_as_bits(params):
     """`params` with each bfloat16 embedding table held as its bits (uint16), as the decoding
     engine keeps them (Embed reads either). Inside a decoding loop XLA:CPU hoists the table's
     conversion to bits out of the loop and so copies the whole table at every call of the
-    program (10 ms for T5 1.1 small's); a table that comes in as bits costs nothing."""
+    program (10 ms for T5 1.1 small's); a table that comes in as bits costs nothing. `params`
+    itself when it holds no bfloat16 table."""
+    tables = jax.tree_util.tree_leaves_with_path(params)
+    if not any(_is_embedding(path) and x.dtype == jnp.bfloat16 for path, x in tables):
+        return params
 
     def held(path, x):
         if not _is_embedding(path) or x.dtype != jnp.bfloat16:
