@@ -7,14 +7,19 @@ script) import this module too."""
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
 import pathlib
 import re
+import select
+import shutil
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The data sets beside the checkout (CI clones with ../shared next to it).
@@ -30,16 +35,90 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "t5tpu.cli.main", *args]
 
 
-def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900):
+def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900, fresh=False):
     """Runs `t5tpu ARGS` (--gin.MODEL_DIR last when model_dir is given) and returns the finished
     process, its output captured as text. By default the checkout's, from the repository root
     (where relative paths such as examples/questions.txt resolve); `program` is another t5tpu
     to run (an installed console script), `cwd` another directory to run it from, `env` another
-    environment."""
+    environment. The checkout's runs are forked from tests/cli_zygote.py, which has done the
+    imports already; `fresh` starts a new interpreter instead, for what a start prints."""
     if model_dir is not None:
         args = (*args, f"--gin.MODEL_DIR='{model_dir}'")
+    zygote = None if program or fresh else _Zygote.of_this_process()
+    if zygote is not None and zygote.can_run(env=os.environ if env is None else env):
+        return zygote.run(list(args), cwd=str(cwd), env=env, timeout=timeout)
     argv = [*program, *args] if program else cli_command(*args)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+class _Zygote:
+    """This process's tests/cli_zygote.py, which forks each command from imports done once.
+    Used for environments that differ from the one it started with only where no import reads
+    them (PYTEST_CURRENT_TEST)."""
+
+    _started: _Zygote | None = None
+    _IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+
+    def __init__(self):
+        self.env = dict(os.environ)
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.join(ROOT, "tests", "cli_zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+        )
+        self.outputs = tempfile.mkdtemp(prefix="t5tpu-zygote-")
+        atexit.register(self.stop)
+
+    @classmethod
+    def of_this_process(cls) -> _Zygote | None:
+        """The zygote (started at the first call), or None where T5TPU_TEST_FORK=0 asks for a
+        fresh process per command."""
+        if os.environ.get("T5TPU_TEST_FORK", "1") == "0":
+            return None
+        if cls._started is None or cls._started.proc.poll() is not None:
+            cls._started = cls()
+        return cls._started
+
+    def can_run(self, env) -> bool:
+        def imported(environ):
+            return {k: v for k, v in environ.items() if k not in self._IGNORED}
+
+        return imported(env) == imported(self.env)
+
+    def run(self, args: list[str], cwd: str, env, timeout: float) -> subprocess.CompletedProcess:
+        stdout, stderr = (os.path.join(self.outputs, name) for name in ("stdout", "stderr"))
+        env = dict(os.environ if env is None else env)
+        request = {"argv": args, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        self.proc.stdin.flush()
+        pid = self._answer(timeout=60)["pid"]
+        try:
+            returncode = self._answer(timeout=timeout)["returncode"]
+        except subprocess.TimeoutExpired:
+            os.kill(pid, signal.SIGKILL)
+            self._answer(timeout=60)
+            raise subprocess.TimeoutExpired(cli_command(*args), timeout) from None
+        read = [pathlib.Path(path).read_text(errors="replace") for path in (stdout, stderr)]
+        return subprocess.CompletedProcess(cli_command(*args), returncode, *read)
+
+    def _answer(self, timeout: float) -> dict:
+        """The zygote's next line, read unbuffered so that select sees what is still to come."""
+        line, fd = b"", self.proc.stdout.fileno()
+        while not line.endswith(b"\n"):
+            if not select.select([fd], [], [], timeout)[0]:
+                raise subprocess.TimeoutExpired("cli_zygote", timeout)
+            byte = os.read(fd, 1)
+            if not byte:
+                raise RuntimeError("tests/cli_zygote.py exited")
+            line += byte
+        return json.loads(line)
+
+    def stop(self):
+        self.proc.kill()
+        self.proc.wait()
+        shutil.rmtree(self.outputs, ignore_errors=True)
 
 
 def succeeded(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

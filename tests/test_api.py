@@ -121,9 +121,11 @@ def test_predict_iter_streams_what_predict_returns(model):
 
 @pytest.fixture(scope="module")
 def hf_dir(model_dir, tmp_path_factory) -> str:
-    """The trained model exported with `t5tpu convert --to=hf`."""
+    """The trained model exported with `t5tpu convert --to=hf` (by a fresh interpreter, whose
+    start would show TensorFlow's import notices)."""
     folder = str(tmp_path_factory.mktemp("api_hf") / "hf")
-    run = succeeded(t5tpu("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={folder}"))
+    convert = ("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={folder}")
+    run = succeeded(t5tpu(*convert, fresh=True))
     assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     return folder
 

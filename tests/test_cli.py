@@ -7,6 +7,7 @@ import pathlib
 import shutil
 import subprocess
 
+import cli_runs
 import pytest
 from cli_runs import ROOT, cli_command, file_digests, foreign_log_lines, t5tpu
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
@@ -29,7 +30,8 @@ def memorize_flags(*extra):
 
 @pytest.fixture(scope="module")
 def trained_dir(tmp_path_factory):
-    """A tiny T5 trained from scratch on 32 question pairs until it can reproduce them."""
+    """A tiny T5 trained from scratch on 32 question pairs until it can reproduce them. In a
+    fresh interpreter, so that what TensorFlow prints while importing would show."""
     model_dir = str(tmp_path_factory.mktemp("memorize"))
     run = t5tpu(
         "train",
@@ -42,10 +44,27 @@ def trained_dir(tmp_path_factory):
             f"--gin.EVAL_PERIOD={STEPS}",
         ),
         model_dir=model_dir,
+        fresh=True,
     )
     assert run.returncode == 0, run.stderr[-3000:]
     assert not foreign_log_lines(run.stderr), run.stderr[-3000:]
     return model_dir, run.stdout
+
+
+def test_a_command_forked_from_the_zygote_answers_as_a_fresh_interpreter(tmp_path):
+    """tests/cli_zygote.py's children stand in for `python -m t5tpu.cli.main` in most tests."""
+    args = (
+        "train",
+        f"--gin_file={EXPERIMENT}",
+        "--gin.BATCH_SIZE=0",
+        f"--gin.MODEL_DIR='{tmp_path}'",
+    )
+    forked, fresh = t5tpu(*args), t5tpu(*args, fresh=True)
+    assert cli_runs._Zygote._started is not None  # the first run went through it
+    assert forked.returncode == fresh.returncode == 2
+    assert (forked.stdout, forked.stderr) == (fresh.stdout, fresh.stderr)
+    assert fresh.stderr.startswith("t5tpu: error: BATCH_SIZE = 0 must be a whole number")
+    assert os.listdir(tmp_path) == []
 
 
 @pytest.mark.slow
