@@ -53,6 +53,7 @@ def model(model_dir) -> api.T5Model:
     return api.load(model_dir, batch_size=4)
 
 
+@pytest.mark.slow
 def test_predict_gives_what_the_cli_infer_writes(model, model_dir):
     with open(QUESTIONS) as f:
         inputs = [line.strip() for line in f if line.strip()]
@@ -72,6 +73,7 @@ def test_predict_gives_what_the_cli_infer_writes(model, model_dir):
     assert model.predict(five) == [model.predict([text])[0] for text in five]
 
 
+@pytest.mark.slow
 def test_predict_file_writes_the_bytes_infer_writes_and_resumes(model, model_dir, tmp_path):
     """...in chunks: a call stopped after its first chunk continues from the second."""
     infer_file = os.path.join(model_dir, "inference", f"questions-{STEPS}.jsonl")
@@ -107,6 +109,7 @@ def test_predict_file_writes_the_bytes_infer_writes_and_resumes(model, model_dir
     assert out.read_bytes() == pathlib.Path(infer_file).read_bytes()
 
 
+@pytest.mark.slow
 def test_predict_iter_streams_what_predict_returns(model):
     with open(QUESTIONS) as f:
         inputs = [line.strip() for line in f if line.strip()] * 3
@@ -130,6 +133,7 @@ def hf_dir(model_dir, tmp_path_factory) -> str:
     return folder
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
     ids = np.array([model.vocabulary.encode("is duplicate: a <SEP> b") + [1]] * 2, np.int32)
     decoder_ids = np.array([[0, 3, 5, 7], [0, 9, 2, 4]], np.int32)
@@ -156,6 +160,7 @@ def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
     )
 
 
+@pytest.mark.slow
 def test_the_exported_directory_runs_in_a_transformers_pipeline_offline(model, hf_dir):
     with open(QUESTIONS) as f:
         inputs = [line.strip() for line in f if line.strip()]
@@ -171,6 +176,7 @@ def test_the_exported_directory_runs_in_a_transformers_pipeline_offline(model, h
     assert answers == model.predict(inputs)
 
 
+@pytest.mark.slow
 def test_score_is_the_log_likelihood_of_the_target_tokens(model):
     inputs = ["is duplicate: how do i cook rice? <SEP> how to cook rice?"] * 2
     targets = ["1", "0"]
@@ -185,6 +191,7 @@ def test_score_is_the_log_likelihood_of_the_target_tokens(model):
     assert scores.dtype == np.float32 and np.all(scores < 0)
 
 
+@pytest.mark.slow
 def test_generate_ids_beam_and_sampling_settings(model):
     ids = [model.vocabulary.encode("is duplicate: a <SEP> b") + [1]]
     greedy = model.generate_ids(ids, max_new_tokens=6)
@@ -199,6 +206,7 @@ def test_generate_ids_beam_and_sampling_settings(model):
         model.generate_ids(ids, num_beams=0)
 
 
+@pytest.mark.slow
 def test_repeated_calls_of_similar_size_reuse_one_compiled_program(model):
     model.predict(["is duplicate: x <SEP> y"])
     compiled = model.engine.program_count
@@ -207,6 +215,7 @@ def test_repeated_calls_of_similar_size_reuse_one_compiled_program(model):
     assert model.engine.program_count == compiled
 
 
+@pytest.mark.slow
 def test_a_deleted_model_frees_its_parameters(model_dir):
     # Compiled programs cached on the class, not the object, kept every model ever loaded alive.
     model = api.load(model_dir, batch_size=4)
@@ -221,6 +230,7 @@ def test_a_deleted_model_frees_its_parameters(model_dir):
     assert param() is None, "the deleted model's parameters are still alive"
 
 
+@pytest.mark.slow
 def test_task_helpers_use_the_tasks_own_preprocessing(model):
     # Quora's tasks lower-case and drop double quotes before formatting, as in training.
     assert quora.is_duplicate_prompt('How do I "Learn" X?', "Why Y?") == (
@@ -267,6 +277,7 @@ def test_quora_helpers_ask_as_their_routes_declare():
         squad.answer(model, "Who?", "Ada did.", task="squad_v3")
 
 
+@pytest.mark.slow
 def test_a_named_step_and_bad_calls(model_dir, model):
     same = api.load(model_dir, step=STEPS)
     equal = jax.tree_util.tree_map(lambda a, b: bool(np.all(a == b)), same.params, model.params)

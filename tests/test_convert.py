@@ -141,6 +141,7 @@ def test_one_load_opens_its_checkpoint_once(hf_dir, converted, tmp_path, monkeyp
     _assert_same(loaded, params)
 
 
+@pytest.mark.slow
 def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_path):
     """With a zero learning rate the first step must leave the imported weights untouched
     (bound on the schedule itself: the LEARNING_RATE macro refuses 0 as a mistake)."""

@@ -77,6 +77,7 @@ def _warnings(run) -> list[str]:
     return [line for line in run.stderr.splitlines() if line.startswith("t5tpu: warning:")]
 
 
+@pytest.mark.slow
 def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
     cache = tmp_path / "cache"
     first, predictions = _infer(model_dir, str(cache))
@@ -93,6 +94,7 @@ def test_second_run_loads_every_program_from_the_cache(model_dir, tmp_path):
     assert _warnings(first) == _warnings(second) == []
 
 
+@pytest.mark.slow
 def test_cache_under_a_file_is_skipped_with_one_warning(model_dir, tmp_path):
     blocker = tmp_path / "not_a_directory"
     blocker.write_text("")
@@ -103,6 +105,7 @@ def test_cache_under_a_file_is_skipped_with_one_warning(model_dir, tmp_path):
     assert [p["input"] for p in predictions] == QUESTIONS
 
 
+@pytest.mark.slow
 def test_read_only_cache_dir_does_not_break_a_run(model_dir, tmp_path):
     (tmp_path / "source").mkdir()
     with fault_mounts.read_only_view(tmp_path / "source", tmp_path / "read_only") as path:
@@ -186,6 +189,7 @@ def test_plan_imports_no_tensorflow():
     assert _imported("plan", f"--gin_file={TINY_EXPERIMENT}") == []
 
 
+@pytest.mark.slow
 def test_infer_of_given_inputs_imports_no_tensorflow(model_dir):
     assert _imported(*_infer_args(model_dir)) == []
 
@@ -198,6 +202,7 @@ print(json.dumps(sorted(m for m in sys.argv[3].split(",") if m in sys.modules)))
 """
 
 
+@pytest.mark.slow
 def test_python_load_and_predict_import_no_tensorflow(model_dir):
     run = subprocess.run(
         [sys.executable, "-c", API_SCRIPT, model_dir, QUESTIONS[0], ",".join(HEAVY)],
@@ -209,6 +214,7 @@ def test_python_load_and_predict_import_no_tensorflow(model_dir):
     assert json.loads(run.stdout.splitlines()[-1]) == []
 
 
+@pytest.mark.slow
 def test_convert_to_hf_imports_no_tensorflow(model_dir, tmp_path):
     output = tmp_path / "hf"
     assert _imported("convert", "--to=hf", f"--input={model_dir}", f"--output_dir={output}") == []
