@@ -45,8 +45,9 @@ def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900, 
     if model_dir is not None:
         args = (*args, f"--gin.MODEL_DIR='{model_dir}'")
     zygote = None if program or fresh else _Zygote.of_this_process()
-    if zygote is not None and zygote.can_run(env=os.environ if env is None else env):
-        return zygote.run(list(args), cwd=str(cwd), env=env, timeout=timeout)
+    environ = os.environ if env is None else env
+    if zygote is not None and zygote.can_run(env=environ):
+        return zygote.run(list(args), cwd=str(cwd), env=environ, timeout=timeout)
     argv = [*program, *args] if program else cli_command(*args)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -89,8 +90,7 @@ class _Zygote:
 
     def run(self, args: list[str], cwd: str, env, timeout: float) -> subprocess.CompletedProcess:
         stdout, stderr = (os.path.join(self.outputs, name) for name in ("stdout", "stderr"))
-        env = dict(os.environ if env is None else env)
-        request = {"argv": args, "cwd": cwd, "env": env, "stdout": stdout, "stderr": stderr}
+        request = {"argv": args, "cwd": cwd, "env": dict(env), "stdout": stdout, "stderr": stderr}
         self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         pid = self._answer(timeout=60)["pid"]
