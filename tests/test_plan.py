@@ -120,6 +120,41 @@ def test_parameter_and_optimizer_bytes_are_exact():
     assert sharded.params == (plan.params - whole) // 4 + whole
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, {"scan_layers": True}, {"lora": "settings"}, {"lora": "settings", "scan_layers": True}],
+    ids=["unrolled", "scanned", "lora", "lora_scanned"],
+)
+def test_parameter_shapes_traced_from_one_layer_are_the_whole_networks(overrides):
+    """placements.boxed_params traces one layer a stack and repeats it: the same parameter
+    names, shapes, dtypes and logical axes as the whole network traced, for stacks of unequal
+    depth, unrolled or scanned, with LoRA adapters or without."""
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+
+    from t5tpu.model import lora
+    from t5tpu.model.network import Transformer
+
+    if overrides.get("lora"):
+        overrides = overrides | {"lora": lora.LoraSettings(targets=("q", "v", "wo"))}
+    config = tiny_config(num_encoder_layers=3, num_decoder_layers=2, **overrides)
+    tokens = jnp.ones((1, 1), jnp.int32)
+    whole = jax.eval_shape(lambda: Transformer(config).init(jax.random.PRNGKey(0), tokens, tokens))[
+        "params"
+    ]
+    from_one = placements.boxed_params(config)
+
+    def described(boxed):
+        shapes = jax.tree_util.tree_flatten_with_path(nn.unbox(boxed))[0]
+        return [(path, leaf.shape, leaf.dtype) for path, leaf in shapes], nn.get_partition_spec(
+            boxed
+        )
+
+    assert described(from_one) == described(whole)
+    assert len(described(whole)[0]) > 20
+
+
 def test_plan_says_what_to_turn_when_activations_do_not_fit():
     config = tiny_config()
     work = memory_plan.Workload(256, 512, 64)

@@ -47,9 +47,29 @@ def boxed_params(config: T5Config):
 
 @functools.lru_cache(maxsize=8)
 def _traced_params(config: T5Config):
-    module = Transformer(config)
+    """The network traced with one layer a stack, its other layers given that layer's shapes:
+    every layer of a stack has the same parameters, and tracing each layer's forward pass is
+    what takes the time (seconds for 24-layer stacks)."""
+    one = dataclasses.replace(config, num_encoder_layers=1, num_decoder_layers=1)
+    module = Transformer(one)
     tokens = jnp.ones((1, 1), jnp.int32)
-    return jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), tokens, tokens))["params"]
+    params = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), tokens, tokens))["params"]
+    depth = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}
+    return {
+        name: _stacked(tree, depth.get(name), config.scan_layers) for name, tree in params.items()
+    }
+
+
+def _stacked(stack, layers: int | None, scanned: bool):
+    """`stack`'s one traced layer as `layers` of them: layers_0..layers_{n-1} unrolled, or a
+    leading "layers" dim of n scanned. Anything else (the embedding) is returned as it is."""
+    if layers is None:
+        return stack
+    if scanned:
+        grow = lambda x: jax.ShapeDtypeStruct((layers, *x.shape[1:]), x.dtype)  # noqa: E731
+        return stack | {"layers": jax.tree.map(grow, stack["layers"])}
+    rest = {k: v for k, v in stack.items() if k != "layers_0"}
+    return rest | {f"layers_{i}": stack["layers_0"] for i in range(layers)}
 
 
 def placements(boxed, rules, mesh: dict[str, int]) -> list[Placement]:
