@@ -7,8 +7,6 @@ import math
 import os
 
 import gin
-import jax
-import jax.numpy as jnp
 import pytest
 import seqio
 from flax import linen as nn
@@ -19,6 +17,7 @@ import t5tpu.data.vocab
 import t5tpu.model.encoder_decoder
 import t5tpu.model.network
 from t5tpu import package_files
+from t5tpu.planning import placements
 
 PACKAGE_DIR = package_files.config_search_path()
 MODELS_DIR = package_files.configs_dir("models")
@@ -72,11 +71,10 @@ def parse_model_config(name: str) -> t5tpu.model.network.T5Config:
 
 
 def abstract_param_shapes(config: t5tpu.model.network.T5Config) -> dict[str, tuple[int, ...]]:
-    """Parameter shapes by path, traced with jax.eval_shape: no memory, even for 11B."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    module = t5tpu.model.network.Transformer(config)
-    variables = jax.eval_shape(module.init, jax.random.key(0), tokens, tokens)
-    flat = traverse_util.flatten_dict(nn.unbox(variables["params"]), sep="/")
+    """Parameter shapes by path, as `t5tpu plan` traces them (one layer a stack, repeated;
+    tests/test_plan.py checks that against the whole network): no memory, even for 11B."""
+    params = placements.boxed_params(config)
+    flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
     return {path: tuple(leaf.shape) for path, leaf in flat.items()}
 
 
