@@ -26,7 +26,7 @@ for words in every_help:
     sys.argv = ["t5tpu", *words]
     try:
         with contextlib.redirect_stdout(io.StringIO()):
-            main.run()
+            main.dispatch()
     except SystemExit as e:
         assert e.code == 0, (words, e.code)
 print(sorted({m.split(".")[0] for m in sys.modules} & heavy))
