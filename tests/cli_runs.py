@@ -8,18 +8,21 @@ script) import this module too."""
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hashlib
+import itertools
 import json
 import os
 import pathlib
 import re
-import select
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The data sets beside the checkout (CI clones with ../shared next to it).
@@ -52,6 +55,29 @@ def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900, 
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+def start(*args, env=None, stderr=subprocess.PIPE):
+    """`t5tpu ARGS` started from the repository root and not waited for: what
+    subprocess.Popen(cli_command(*args), stdout=PIPE, stderr=stderr, text=True) returns, or
+    the same calls on a command forked from the zygote (stderr: PIPE, DEVNULL or an open
+    file)."""
+    zygote = _Zygote.of_this_process()
+    if zygote is not None and zygote.can_run(env=os.environ if env is None else env):
+        return zygote.start(list(args), cwd=ROOT, env=env or os.environ, stderr=stderr)
+    return subprocess.Popen(
+        cli_command(*args),
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        # A shell without job control starts background jobs (`cmd &`, a CI runner's) with
+        # SIGINT ignored, and children inherit that: Python then never raises
+        # KeyboardInterrupt. Give the command the default, as a terminal would (as the
+        # zygote's children have).
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+
+
 class _Zygote:
     """This process's tests/cli_zygote.py, which forks each command from imports done once.
     Used for environments that differ from the one it started with only where no import reads
@@ -70,6 +96,10 @@ class _Zygote:
             bufsize=0,
         )
         self.outputs = tempfile.mkdtemp(prefix="t5tpu-zygote-")
+        self.answers: dict[int, dict] = {}  # by request id: its pid, then its returncode
+        self.answered = threading.Condition()
+        self.requests = itertools.count()
+        threading.Thread(target=self._read_answers, daemon=True).start()
         atexit.register(self.stop)
 
     @classmethod
@@ -89,36 +119,131 @@ class _Zygote:
         return imported(env) == imported(self.env)
 
     def run(self, args: list[str], cwd: str, env, timeout: float) -> subprocess.CompletedProcess:
-        stdout, stderr = (os.path.join(self.outputs, name) for name in ("stdout", "stderr"))
-        request = {"argv": args, "cwd": cwd, "env": dict(env), "stdout": stdout, "stderr": stderr}
-        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-        self.proc.stdin.flush()
-        pid = self._answer(timeout=60)["pid"]
+        command = self._fork(args, cwd, env, stdout=None, stderr=None)
         try:
-            returncode = self._answer(timeout=timeout)["returncode"]
+            returncode = command.wait(timeout)
         except subprocess.TimeoutExpired:
-            os.kill(pid, signal.SIGKILL)
-            self._answer(timeout=60)
-            raise subprocess.TimeoutExpired(cli_command(*args), timeout) from None
-        read = [pathlib.Path(path).read_text(errors="replace") for path in (stdout, stderr)]
-        return subprocess.CompletedProcess(cli_command(*args), returncode, *read)
+            command.kill()
+            command.wait(60)
+            raise
+        read = [pathlib.Path(path).read_text(errors="replace") for path in command.files]
+        for path in command.files:
+            os.remove(path)
+        return subprocess.CompletedProcess(command.args, returncode, *read)
 
-    def _answer(self, timeout: float) -> dict:
-        """The zygote's next line, read unbuffered so that select sees what is still to come."""
-        line, fd = b"", self.proc.stdout.fileno()
-        while not line.endswith(b"\n"):
-            if not select.select([fd], [], [], timeout)[0]:
-                raise subprocess.TimeoutExpired("cli_zygote", timeout)
-            byte = os.read(fd, 1)
-            if not byte:
-                raise RuntimeError("tests/cli_zygote.py exited")
-            line += byte
-        return json.loads(line)
+    def start(self, args: list[str], cwd: str, env, stderr) -> ForkedCommand:
+        return self._fork(args, cwd, env, stdout=subprocess.PIPE, stderr=stderr)
+
+    def _fork(self, args, cwd, env, stdout, stderr) -> ForkedCommand:
+        """Asks for `args` to be forked; outputs: None (a file read after), PIPE (a FIFO),
+        DEVNULL or an open file (its path)."""
+        request_id = next(self.requests)
+        paths = []
+        for name, how in (("stdout", stdout), ("stderr", stderr)):
+            path = os.path.join(self.outputs, f"{request_id}.{name}")
+            if how == subprocess.PIPE:
+                os.mkfifo(path)
+            elif how == subprocess.DEVNULL:
+                path = os.devnull
+            elif how is not None:
+                path = how.name
+            paths.append(path)
+        request = {"id": request_id, "argv": args, "cwd": cwd, "env": dict(env)}
+        request |= {"stdout": paths[0], "stderr": paths[1]}
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
+        pid = self.answer(request_id, "pid", timeout=60)
+        pipes = []
+        for path, how in zip(paths, (stdout, stderr), strict=True):
+            pipes.append(open(path) if how == subprocess.PIPE else None)  # noqa: SIM115
+            if how == subprocess.PIPE:
+                os.remove(path)  # open at both ends now
+        return ForkedCommand(self, request_id, cli_command(*args), pid, paths, *pipes)
+
+    def answer(self, request_id: int, key: str, timeout: float | None):
+        """The zygote's answer `key` for the request, once given."""
+        with self.answered:
+            given = self.answered.wait_for(
+                lambda: key in self.answers.get(request_id, {}) or self.proc.poll() is not None,
+                timeout,
+            )
+            if key in self.answers.get(request_id, {}):
+                return self.answers[request_id][key]
+        if not given:
+            raise subprocess.TimeoutExpired("cli_zygote", timeout)
+        raise RuntimeError("tests/cli_zygote.py exited")
+
+    def _read_answers(self):
+        for line in self.proc.stdout:
+            answer = json.loads(line)
+            with self.answered:
+                self.answers.setdefault(answer.pop("id"), {}).update(answer)
+                self.answered.notify_all()
+        with self.answered:
+            self.answered.notify_all()
 
     def stop(self):
         self.proc.kill()
         self.proc.wait()
         shutil.rmtree(self.outputs, ignore_errors=True)
+
+
+class ForkedCommand:
+    """What tests use of subprocess.Popen, for a command forked from the zygote."""
+
+    def __init__(self, zygote: _Zygote, request_id: int, args, pid: int, files, stdout, stderr):
+        self.zygote, self.request_id, self.args, self.pid = zygote, request_id, args, pid
+        self.files, self.stdout, self.stderr = files, stdout, stderr
+        self.returncode = None
+        self._read: dict[str, str] = {}
+        self._readers: list[threading.Thread] | None = None
+
+    def poll(self):
+        return self.wait(0) if self.returncode is None else self.returncode
+
+    def wait(self, timeout=None):
+        if self.returncode is None:
+            try:
+                self.returncode = self.zygote.answer(self.request_id, "returncode", timeout)
+            except subprocess.TimeoutExpired:
+                if timeout == 0:
+                    return None
+                raise subprocess.TimeoutExpired(self.args, timeout) from None
+        return self.returncode
+
+    def send_signal(self, sig):
+        if self.poll() is None:
+            with contextlib.suppress(ProcessLookupError):  # exited, not yet answered for
+                os.kill(self.pid, sig)
+
+    def kill(self):
+        self.send_signal(signal.SIGKILL)
+
+    def terminate(self):
+        self.send_signal(signal.SIGTERM)
+
+    def communicate(self, timeout=None):
+        """Reads the pipes to their ends (each in a thread, as Popen does), then waits."""
+        if self._readers is None:
+            self._readers = [
+                threading.Thread(target=self._read_all, args=(name, pipe), daemon=True)
+                for name, pipe in (("stdout", self.stdout), ("stderr", self.stderr))
+                if pipe is not None
+            ]
+            for reader in self._readers:
+                reader.start()
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for reader in self._readers:
+            reader.join(None if deadline is None else max(0, deadline - time.monotonic()))
+            if reader.is_alive():
+                raise subprocess.TimeoutExpired(self.args, timeout)
+        remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+        if self.wait(remaining) is None:
+            raise subprocess.TimeoutExpired(self.args, timeout)
+        return self._read.get("stdout"), self._read.get("stderr")
+
+    def _read_all(self, name, pipe):
+        self._read[name] = pipe.read()
+        pipe.close()
 
 
 def succeeded(run: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -7,14 +7,18 @@ own stdout and stderr files, working directory, exit code, and jax backend (the 
 starts one, so nothing but this thread is forked). Runs that depend on how a process starts
 (its environment at import, what TensorFlow prints while importing) use real processes.
 
-Protocol, one JSON object a line: the request {"argv", "cwd", "env", "stdout", "stderr"} on stdin;
-the answers {"pid"} once forked, then {"returncode"} on stdout.
+Protocol, one JSON object a line: requests {"id", "argv", "cwd", "env", "stdout", "stderr"} on
+stdin (stdout and stderr are paths: files, FIFOs the caller reads, or /dev/null); answers
+{"id", "pid"} once forked, then {"id", "returncode"}, on stdout. Commands run side by side
+(the processes of one multi-process run, a second writer): each has a monitor process that
+forks it, waits for it and answers for it.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 
 
@@ -39,6 +43,8 @@ def _become(request: dict) -> None:
     os.environ.update(request["env"])
     os.chdir(request["cwd"])
     sys.path[0] = request["cwd"]  # as `python -m` puts the working directory first
+    # As an interpreter started from a terminal: Ctrl-C raises KeyboardInterrupt.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
         out = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(out, fd)
@@ -53,27 +59,40 @@ def _become(request: dict) -> None:
 
 
 def serve() -> dict | None:
-    """Answers requests until stdin closes; returns the request in a forked child."""
+    """Answers requests until stdin closes; returns the request in a forked command."""
     requests = os.fdopen(os.dup(0), "r")
-    answers = os.fdopen(os.dup(1), "w")
+    answers = os.dup(1)
     devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the children's fds 1 and 2 are their own files
+    os.dup2(devnull, 1)  # the commands' fds 1 and 2 are their own files
     os.close(devnull)
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the monitors
     for line in requests:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
+        if os.fork() == 0:
             requests.close()
-            answers.close()
-            return request
-        answers.write(json.dumps({"pid": pid}) + "\n")
-        answers.flush()
-        _, status = os.waitpid(pid, 0)
-        answers.write(json.dumps({"returncode": os.waitstatus_to_exitcode(status)}) + "\n")
-        answers.flush()
+            if _monitor(request, answers):
+                os.close(answers)
+                return request
     return None
+
+
+def _monitor(request: dict, answers: int) -> bool:
+    """In the monitor: forks the command (True in it), answers its pid, waits for it, answers
+    its exit code and exits."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # to wait for the command
+    pid = os.fork()
+    if pid == 0:
+        return True
+
+    def answer(**fields):  # one write a line: the monitors share the pipe
+        os.write(answers, (json.dumps({"id": request["id"], **fields}) + "\n").encode())
+
+    answer(pid=pid)
+    _, status = os.waitpid(pid, 0)
+    answer(returncode=os.waitstatus_to_exitcode(status))
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -5,11 +5,10 @@ import json
 import os
 import pathlib
 import shutil
-import subprocess
 
 import cli_runs
 import pytest
-from cli_runs import ROOT, cli_command, file_digests, foreign_log_lines, t5tpu
+from cli_runs import ROOT, file_digests, foreign_log_lines, t5tpu
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
 
 MEMORIZE_TASK = os.path.join(ROOT, "tests", "data", "memorize_task.py")
@@ -142,13 +141,7 @@ def test_continuous_eval_follows_checkpoints_as_they_appear(trained_dir, tmp_pat
         "--gin.CHECKPOINT_STEP='continuous'", "--gin.evaluate.poll_seconds=0.5"
     ) + [f"--gin.TRAIN_STEPS={STEPS}", f"--gin.MODEL_DIR='{run_dir}'"]
     with open(tmp_path / "stderr", "w") as stderr:
-        follower = subprocess.Popen(
-            cli_command("eval", *flags),
-            cwd=ROOT,
-            stdout=subprocess.PIPE,
-            stderr=stderr,
-            text=True,
-        )
+        follower = cli_runs.start("eval", *flags, stderr=stderr)
         seen = []
         for line in follower.stdout:  # the first checkpoint is evaluated; then the next appears
             seen.append(line)

@@ -25,7 +25,16 @@ import time
 
 import fault_mounts
 import pytest
-from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, file_digests, read_json, read_jsonl, t5tpu
+from cli_runs import (
+    ROOT,
+    TINY_EXPERIMENT,
+    cli_command,
+    file_digests,
+    read_json,
+    read_jsonl,
+    start,
+    t5tpu,
+)
 
 # Nearly every test runs the command line on a copy of the trained model.
 pytestmark = pytest.mark.slow
@@ -476,9 +485,10 @@ def test_a_second_train_on_one_model_dir_is_refused_and_eval_beside_it_works(mod
     before = file_digests(model_dir)
     # Far more steps than the test waits for, no save until SIGTERM ends it with one.
     args = [*TRAIN, "--gin.TRAIN_STEPS=100000", "--gin.SAVE_PERIOD=100000"]
-    argv = cli_command("train", *args, f"--gin.MODEL_DIR='{model_dir}'")
+    args = ["train", *args, f"--gin.MODEL_DIR='{model_dir}'"]
+    argv = cli_command(*args)
     first_err = open(tmp_path / "first.stderr", "w+")  # noqa: SIM115 (closed in finally)
-    first = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=first_err, text=True)
+    first = start(*args, stderr=first_err)
     second = None
     try:
         first_out = _Lines(first)
@@ -487,9 +497,7 @@ def test_a_second_train_on_one_model_dir_is_refused_and_eval_beside_it_works(mod
         )
 
         started = time.time()
-        second = subprocess.Popen(
-            argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-        )
+        second = start(*args)
         try:
             second_out, second_err = second.communicate(timeout=SECOND_RUN_LIMIT_S + 15)
             second_took = time.time() - started

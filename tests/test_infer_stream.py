@@ -10,7 +10,6 @@ import hashlib
 import os
 import pathlib
 import signal
-import subprocess
 import time
 
 import fault_mounts
@@ -22,6 +21,7 @@ from cli_runs import (
     cli_command,
     free_port,
     run_together,
+    start,
     succeeded,
     t5tpu,
 )
@@ -145,13 +145,7 @@ def reference(model_dir, inputs, tmp_path_factory):
 
 
 def _start(model_dir, inputs, out, *extra):
-    return subprocess.Popen(
-        cli_command("infer", *_flags(model_dir, inputs, out, *extra)),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start("infer", *_flags(model_dir, inputs, out, *extra))
 
 
 def _wait_for_chunks(proc, parts, count, timeout=300):

@@ -18,7 +18,7 @@ import module_walk
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from cli_runs import ROOT, cli_command, file_digests, succeeded, t5tpu
+from cli_runs import ROOT, file_digests, start, succeeded, t5tpu
 
 import t5tpu as api
 from t5tpu.cli import convert as convert_command
@@ -170,13 +170,7 @@ def _state(model_dir: str, step: int) -> dict:
 
 
 def _interrupted(flags, model_dir, at_step):
-    proc = subprocess.Popen(
-        cli_command("train", *flags, f"--gin.MODEL_DIR='{model_dir}'"),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    proc = start("train", *flags, f"--gin.MODEL_DIR='{model_dir}'", stderr=subprocess.DEVNULL)
     for line in proc.stdout:
         if line.startswith(f"step {at_step}/"):
             proc.send_signal(signal.SIGKILL)

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, succeeded, t5tpu
+from cli_runs import TINY_EXPERIMENT, start, succeeded, t5tpu
 
 # Every test trains the tiny model through the command line, some of them several times.
 pytestmark = pytest.mark.slow
@@ -31,27 +31,13 @@ FLAGS = [
 ]
 
 
-def command(model_dir, *extra):
-    return cli_command("train", *FLAGS, *extra, f"--gin.MODEL_DIR='{model_dir}'")
-
-
 def train(model_dir, *extra):
     return succeeded(t5tpu("train", *FLAGS, *extra, model_dir=model_dir, timeout=600))
 
 
 def interrupt(model_dir, at_step, sig, stderr=subprocess.DEVNULL):
     """Starts training and sends `sig` once step `at_step` has been reported."""
-    proc = subprocess.Popen(
-        command(model_dir),
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=stderr,
-        text=True,
-        # A shell without job control starts background jobs (`cmd &`, a CI runner's) with
-        # SIGINT ignored, and children inherit that: Python then never raises
-        # KeyboardInterrupt. Give training the default, as a terminal would.
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
+    proc = start("train", *FLAGS, f"--gin.MODEL_DIR='{model_dir}'", stderr=stderr)
     lines = []
     for line in proc.stdout:
         lines.append(line)
