@@ -84,7 +84,9 @@ class _Zygote:
     them (PYTEST_CURRENT_TEST)."""
 
     _started: _Zygote | None = None
-    _IGNORED = frozenset({"PYTEST_CURRENT_TEST"})
+    # XLA_FLAGS (fake devices for a multi-process run) is read when a backend starts, which
+    # happens in the forked command.
+    _IGNORED = frozenset({"PYTEST_CURRENT_TEST", "XLA_FLAGS"})
 
     def __init__(self):
         self.env = dict(os.environ)
@@ -268,9 +270,13 @@ def foreign_log_lines(stderr: str) -> list[str]:
 def run_together(argvs: list[list[str]], env=None, timeout=600) -> list:
     """Starts every command at once (the processes of one multi-process run) and waits for each
     in turn; after one that fails, the rest are killed, not waited for (they may wait for it
-    forever), and the list ends with the failed one."""
+    forever), and the list ends with the failed one. The checkout's t5tpu commands are forked
+    (start)."""
+    cli = cli_command()
     procs = [
-        subprocess.Popen(
+        start(*argv[len(cli) :], env=env)
+        if argv[: len(cli)] == cli
+        else subprocess.Popen(
             argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
         for argv in argvs

@@ -160,6 +160,7 @@ def test_cli_on_two_processes_trains_evaluates_and_infers(tmp_path):
         next(ln for ln in out.splitlines() if ln.startswith("step 10/10")) for out in train
     ]
     assert last_step[0].split()[:3] == last_step[1].split()[:3]  # the same global loss
+    assert all(" on 4 device(s)" in out for out in train)  # 2 fake devices a process
     assert "eval at step 10" in train[0] and "process 0 has the metrics" in train[1]
     with open(os.path.join(model_dir, "eval_metrics.json")) as f:
         # Process 0's metrics count every validation row once.
