@@ -47,10 +47,9 @@ def t5tpu(*args, model_dir=None, program=None, cwd=ROOT, env=None, timeout=900, 
     imports already; `fresh` starts a new interpreter instead, for what a start prints."""
     if model_dir is not None:
         args = (*args, f"--gin.MODEL_DIR='{model_dir}'")
-    zygote = None if program or fresh else _Zygote.of_this_process()
-    environ = os.environ if env is None else env
-    if zygote is not None and zygote.can_run(env=environ):
-        return zygote.run(list(args), cwd=str(cwd), env=environ, timeout=timeout)
+    zygote = None if program or fresh else _Zygote.for_env(env)
+    if zygote is not None:
+        return zygote.run(list(args), cwd=str(cwd), env=env or os.environ, timeout=timeout)
     argv = [*program, *args] if program else cli_command(*args)
     return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
 
@@ -60,8 +59,8 @@ def start(*args, env=None, stderr=subprocess.PIPE):
     subprocess.Popen(cli_command(*args), stdout=PIPE, stderr=stderr, text=True) returns, or
     the same calls on a command forked from the zygote (stderr: PIPE, DEVNULL or an open
     file)."""
-    zygote = _Zygote.of_this_process()
-    if zygote is not None and zygote.can_run(env=os.environ if env is None else env):
+    zygote = _Zygote.for_env(env)
+    if zygote is not None:
         return zygote.start(list(args), cwd=ROOT, env=env or os.environ, stderr=stderr)
     return subprocess.Popen(
         cli_command(*args),
@@ -105,20 +104,21 @@ class _Zygote:
         atexit.register(self.stop)
 
     @classmethod
-    def of_this_process(cls) -> _Zygote | None:
-        """The zygote (started at the first call), or None where T5TPU_TEST_FORK=0 asks for a
-        fresh process per command."""
+    def for_env(cls, env: dict | None) -> _Zygote | None:
+        """The zygote (started at the first call) for a command run with `env` (None: this
+        process's), or None where a fresh process must run it: T5TPU_TEST_FORK=0, or an
+        environment that differs where imports read it."""
         if os.environ.get("T5TPU_TEST_FORK", "1") == "0":
             return None
         if cls._started is None or cls._started.proc.poll() is not None:
             cls._started = cls()
+        if cls._imported(os.environ if env is None else env) != cls._imported(cls._started.env):
+            return None
         return cls._started
 
-    def can_run(self, env) -> bool:
-        def imported(environ):
-            return {k: v for k, v in environ.items() if k not in self._IGNORED}
-
-        return imported(env) == imported(self.env)
+    @classmethod
+    def _imported(cls, environ) -> dict:
+        return {k: v for k, v in environ.items() if k not in cls._IGNORED}
 
     def run(self, args: list[str], cwd: str, env, timeout: float) -> subprocess.CompletedProcess:
         command = self._fork(args, cwd, env, stdout=None, stderr=None)

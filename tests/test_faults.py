@@ -484,8 +484,8 @@ class _Lines:
 def test_a_second_train_on_one_model_dir_is_refused_and_eval_beside_it_works(model_dir, tmp_path):
     before = file_digests(model_dir)
     # Far more steps than the test waits for, no save until SIGTERM ends it with one.
-    args = [*TRAIN, "--gin.TRAIN_STEPS=100000", "--gin.SAVE_PERIOD=100000"]
-    args = ["train", *args, f"--gin.MODEL_DIR='{model_dir}'"]
+    args = ["train", *TRAIN, "--gin.TRAIN_STEPS=100000", "--gin.SAVE_PERIOD=100000"]
+    args.append(f"--gin.MODEL_DIR='{model_dir}'")
     argv = cli_command(*args)
     first_err = open(tmp_path / "first.stderr", "w+")  # noqa: SIM115 (closed in finally)
     first = start(*args, stderr=first_err)

@@ -31,7 +31,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 T5_10_SMALL = "configs/models/t5_1_0/small.gin"  # qp_is_duplicate_small_v2-8's model
 # Two layers a stack for TPU's compiles: every layer's program is the same, and the compile
 # takes a third as long as the model file's six.
-TWO_LAYERS = ("T5Config.num_encoder_layers = 2", "T5Config.num_decoder_layers = 2")
+TWO_LAYERS = ("--gin.T5Config.num_encoder_layers=2", "--gin.T5Config.num_decoder_layers=2")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,7 +349,7 @@ def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
         "plan",
         "--gin_file=configs/experiments/qp_is_duplicate_small_v2-8.gin",
         "--gin.plan.compile=True",
-        *(f"--gin.{binding.replace(' ', '')}" for binding in TWO_LAYERS),
+        *TWO_LAYERS,
         env=with_libtpu(),
     )
     assert run.returncode == 0, run.stderr[-2000:]
@@ -376,7 +376,7 @@ def test_plan_compiles_the_step_for_a_tpu_slice_without_one():
     tflop, gb, ms = (float(found.group(i)) for i in (1, 2, 3))
     assert ms == pytest.approx(max(tflop / 22.5, gb / 350) * 1e3, abs=0.06)
     assert float(found.group(5).replace(",", "")) == pytest.approx(256 / ms * 1e3, rel=0.01)
-    flags = [f"--gin_file={T5_10_SMALL}", *(f"--gin.{b.replace(' ', '')}" for b in TWO_LAYERS)]
+    flags = [f"--gin_file={T5_10_SMALL}", *TWO_LAYERS]
     config = bench_workloads.build_model(bench.parse_args(flags)).config
     analytic = 3 * bench_workloads.forward_flops(config, 256, 128, 4) / 8
     assert tflop * 1e12 == pytest.approx(analytic, rel=0.1)
