@@ -1,5 +1,6 @@
-"""SIGTERM on one host of two (simulated on localhost with jax.distributed) makes both stop at
-the same step, through jax's preemption sync point."""
+"""The signals that stop training: SIGTERM on one host of two (simulated on localhost with
+jax.distributed) makes both stop at the same step, through jax's preemption sync point; Ctrl-C
+is held through a checkpoint save, and in the train loop until the step's work is done."""
 
 from __future__ import annotations
 
@@ -65,7 +66,17 @@ if __name__ == "__main__":
     _worker(int(sys.argv[1]), sys.argv[2])
 
 
-def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(tmp_path):
+@pytest.fixture
+def ctrl_c_raises():
+    """Python's Ctrl-C handler, as in a terminal (a background job starts with SIGINT ignored)."""
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, handler)
+
+
+def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(
+    tmp_path, ctrl_c_raises
+):
     """orbax's wait_until_finished catches a KeyboardInterrupt that lands while it waits (logs
     it, forgets the step) and training went on; checkpoints.save holds Ctrl-C until the save is
     complete, then raises it."""
@@ -76,7 +87,6 @@ def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(tmp
 
     mngr = checkpoints.manager(str(tmp_path))
     wait, waited = mngr.wait_until_finished, []
-    handler = signal.getsignal(signal.SIGINT)  # SIG_IGN when started as a background job
 
     def ctrl_c_while_waiting():
         os.kill(os.getpid(), signal.SIGINT)  # without the hold, raised here, before the wait
@@ -90,4 +100,46 @@ def test_ctrl_c_during_a_checkpoint_save_is_raised_once_the_save_is_complete(tmp
     assert waited
     restored = ocp.StandardCheckpointer().restore(tmp_path / "checkpoint_3" / "params")
     assert (restored["w"] == params["w"]).all()  # complete before Ctrl-C was raised
-    assert signal.getsignal(signal.SIGINT) is handler  # restored
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored
+
+
+def test_ctrl_c_in_the_train_loop_waits_for_the_steps_work_and_twice_stops_at_once(
+    ctrl_c_raises,
+):
+    """A KeyboardInterrupt raised inside TensorFlow while it wrote the input position was seen to
+    abort the process (a corrupted heap); in the train loop Ctrl-C takes effect between steps."""
+    from t5tpu.storage import save_guards
+    from t5tpu.training.preemption import CtrlCBetweenSteps
+
+    work_done = []
+    ctrl_c = CtrlCBetweenSteps()
+    try:
+        with save_guards.ctrl_c_after_the_save():
+            os.kill(os.getpid(), signal.SIGINT)  # during the save: handed on, not raised
+            work_done.append("saved")
+        work_done.append("input position written")
+        with pytest.raises(KeyboardInterrupt):
+            ctrl_c.check()
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # pressed again: at once
+            time.sleep(5)
+    finally:
+        ctrl_c.close()
+    assert work_done == ["saved", "input position written"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_background_job_keeps_ignoring_ctrl_c():
+    from t5tpu.storage import save_guards
+    from t5tpu.training.preemption import CtrlCBetweenSteps
+
+    handler = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        ctrl_c = CtrlCBetweenSteps()
+        with save_guards.ctrl_c_after_the_save():
+            os.kill(os.getpid(), signal.SIGINT)
+        ctrl_c.check()
+        ctrl_c.close()
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, handler)

@@ -17,7 +17,7 @@ from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.training import trainer
-from t5tpu.training.preemption import PreemptionWatch
+from t5tpu.training.preemption import CtrlCBetweenSteps, PreemptionWatch
 from t5tpu.training.progress import Progress
 
 
@@ -148,7 +148,9 @@ class TrainLoop:
         self.preemption = preemption
 
     def run(self, state: trainer.TrainState) -> trainer.TrainState:
-        """Trains from `state`'s step to the last one, or until SIGTERM (saved at that step)."""
+        """Trains from `state`'s step to the last one, or until SIGTERM (saved at that step) or
+        Ctrl-C (KeyboardInterrupt once the step's work is done)."""
+        ctrl_c = CtrlCBetweenSteps()
         try:
             for step in range(int(state.step) + 1, self.last_step + 1):
                 state, metrics = self._train_step(state)
@@ -164,7 +166,9 @@ class TrainLoop:
                     return state
                 if self.evaluator and self.periods.evaluates(step, self.last_step):
                     self.evaluator(state.params, step)
+                ctrl_c.check()
         finally:
+            ctrl_c.close()
             self.preemption.close()
             self.writer.flush()
         print(f"done: step {self.last_step}, checkpoints in {self.model_dir}", flush=True)

@@ -28,10 +28,14 @@ _OS_ERROR_CODE = re.compile(r"os_error_code='?(\d+)")
 
 @contextlib.contextmanager
 def ctrl_c_after_the_save():
-    """Holds Ctrl-C until the save is complete, then raises it. orbax's wait_until_finished
-    catches any exception while it waits, KeyboardInterrupt included: it logs it, forgets the
-    step being saved and returns, and training went on as if Ctrl-C was never pressed."""
-    if threading.current_thread() is not threading.main_thread():
+    """Holds Ctrl-C until the save is complete, then hands it to the handler that was there
+    (Python's raises KeyboardInterrupt; the train loop's waits for the step's end). orbax's
+    wait_until_finished catches any exception while it waits, KeyboardInterrupt included: it
+    logs it, forgets the step being saved and returns, and training went on as if Ctrl-C was
+    never pressed."""
+    if threading.current_thread() is not threading.main_thread() or (
+        signal.getsignal(signal.SIGINT) == signal.SIG_IGN  # a background job: Ctrl-C is not ours
+    ):
         yield
         return
     pressed = []
@@ -40,7 +44,9 @@ def ctrl_c_after_the_save():
         yield
     finally:
         signal.signal(signal.SIGINT, previous)
-    if pressed:
+    if pressed and callable(previous):
+        previous(signal.SIGINT, None)  # Python's own handler raises; the train loop's defers
+    elif pressed:
         raise KeyboardInterrupt
 
 

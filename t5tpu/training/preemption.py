@@ -1,9 +1,10 @@
-"""Noticing that the machine is about to go away (SIGTERM, what a TPU VM gets before preemption),
-so the train loop can save a checkpoint at the current step and exit cleanly."""
+"""Signals the train loop answers between steps: SIGTERM (what a TPU VM gets before preemption)
+saves a checkpoint at the current step and exits cleanly; Ctrl-C stops without saving."""
 
 from __future__ import annotations
 
 import signal
+import threading
 
 import jax
 from jax.experimental import multihost_utils
@@ -36,3 +37,31 @@ class PreemptionWatch:
     def close(self) -> None:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
+
+
+class CtrlCBetweenSteps:
+    """Holds Ctrl-C until the step, save or evaluation under way is done; `check` then raises
+    KeyboardInterrupt. Raised inside TensorFlow's writing of the input position, it was seen to
+    corrupt the heap and abort the process. A second Ctrl-C raises at once."""
+
+    def __init__(self):
+        self._pressed = False
+        self._previous = None
+        if threading.current_thread() is threading.main_thread() and (
+            signal.getsignal(signal.SIGINT) != signal.SIG_IGN  # a background job's stays ignored
+        ):
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+
+    def _on_sigint(self, signum, frame):
+        del signum, frame
+        if self._pressed:
+            raise KeyboardInterrupt
+        self._pressed = True
+
+    def check(self) -> None:
+        if self._pressed:
+            raise KeyboardInterrupt
+
+    def close(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGINT, self._previous)
