@@ -14,5 +14,10 @@ if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANTED" ] && [ -x .venv/bin/t5tpu 
   exit 0
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -c constraints.txt -e ".[test]"
+# pip byte-compiles every module one at a time; compileall spreads them over the cores
+# (docs/PERFORMANCE.md). Its errors are Python 2 files some packages ship, which pip skips too.
+# PYTHONWARNINGS: setuptools' notes on how editable installs work (a box of asterisks) stay out.
+PYTHONWARNINGS=ignore::UserWarning \
+  .venv/bin/python -m pip install -q --no-compile -c constraints.txt -e ".[test]"
+.venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages > /dev/null || true
 echo "$WANTED" > "$STAMP"
