@@ -83,9 +83,21 @@ class _Zygote:
     them (PYTEST_CURRENT_TEST)."""
 
     _started: _Zygote | None = None
-    # XLA_FLAGS (fake devices for a multi-process run) is read when a backend starts, which
-    # happens in the forked command.
-    _IGNORED = frozenset({"PYTEST_CURRENT_TEST", "XLA_FLAGS"})
+    # Read in the forked command, not by the imports: XLA_FLAGS (fake devices for a
+    # multi-process run) when a backend starts; the storage clients' settings (the GCS
+    # emulator's, tests/gcs_emulator.py) when a client is made or a bucket asked.
+    _IGNORED = frozenset(
+        {
+            "PYTEST_CURRENT_TEST",
+            "XLA_FLAGS",
+            "STORAGE_EMULATOR_HOST",
+            "EPATH_USE_TF",
+            "TENSORSTORE_GCS_HTTP_URL",
+            "GOOGLE_AUTH_TOKEN_FOR_TESTING",
+            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT",
+            "T5TPU_STORAGE_ANSWER_SECONDS",
+        }
+    )
 
     def __init__(self):
         self.env = dict(os.environ)

@@ -53,7 +53,7 @@ TRAIN = [
 EVAL = [f"--gin_file={TINY_EXPERIMENT}", "--gin.EVAL_NUM_EXAMPLES=8", "--gin.EVAL_BATCH_SIZE=8"]
 QUESTIONS = os.path.join(ROOT, "examples", "questions.txt")
 COMMAND_SECONDS = 300  # any one command; they take 5-20 s
-# How long t5tpu waits for a bucket to answer (remote.STORAGE_ANSWER_SECONDS), and the
+# How long t5tpu waits for a bucket to answer (T5TPU_STORAGE_ANSWER_SECONDS), and the
 # most an unreachable endpoint may take to be reported: that plus start-up.
 ANSWER_SECONDS = 5
 UNREACHABLE_BOUND_SECONDS = 30

@@ -34,7 +34,7 @@ pytestmark = pytest.mark.skipif(
 BUCKET = gcs_emulator.BUCKET
 GS = f"gs://{BUCKET}"
 MISSING_BUCKET = "gs://no-such-bucket-t5tpu"
-ANSWER_SECONDS = 3  # remote.STORAGE_ANSWER_SECONDS here, and in the command-line runs
+ANSWER_SECONDS = 3  # T5TPU_STORAGE_ANSWER_SECONDS here, and in the command-line runs
 # A closed port is reported after the answer time; the rest is this process's own work.
 CLOSED_PORT_BOUND_SECONDS = ANSWER_SECONDS + 3
 TSV = "input\ttarget\nwhat is one plus one?\ttwo\nname a colour\tred\n"
@@ -85,11 +85,10 @@ def _point_at(monkeypatch, endpoint: str) -> None:
 def endpoint(tmp_path_factory):
     """The emulator, with this process's gs:// client pointed at it and the bucket holding
     one valid file of each kind (under the names the tests use)."""
-    from t5tpu.storage import remote
 
     with gcs_emulator.running_emulator() as url, pytest.MonkeyPatch.context() as patch:
         _point_at(patch, url)
-        patch.setattr(remote, "STORAGE_ANSWER_SECONDS", ANSWER_SECONDS)
+        patch.setenv("T5TPU_STORAGE_ANSWER_SECONDS", str(ANSWER_SECONDS))
         _upload_valid_files(url, tmp_path_factory.mktemp("valid"))
         _import_readers()
         yield url

@@ -4,7 +4,7 @@ that reads and writes MODEL_DIR's files, and the one a local GCS emulator can st
 Storage clients retry a refused connection for half a minute or more and then raise deep inside
 a run; a missing bucket surfaces as a client's traceback, or is created by gcsfs when orbax makes
 MODEL_DIR. Every question asked of remote storage before work starts goes through `answered`,
-so the user waits at most STORAGE_ANSWER_SECONDS for one line naming what could not be reached.
+so the user waits at most answer_seconds() for one line naming what could not be reached.
 """
 
 from __future__ import annotations
@@ -19,8 +19,12 @@ from etils import epath
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.runtime import lazy_imports
 
-# How long storage may take to answer one question before it counts as unreachable.
-STORAGE_ANSWER_SECONDS = float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
+
+def answer_seconds() -> float:
+    """How long storage may take to answer one question before it counts as unreachable
+    (T5TPU_STORAGE_ANSWER_SECONDS, read when asked)."""
+    return float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
+
 
 T = TypeVar("T")
 # Answers about the file itself, passed on as they are for the caller to word; any other error
@@ -45,7 +49,7 @@ def _epath_uses_tensorflow() -> bool:
 
 def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
     """`ask()`, run in a daemon thread for a remote `path` so that a client that keeps retrying
-    is abandoned after STORAGE_ANSWER_SECONDS with one line; local paths are asked directly.
+    is abandoned after answer_seconds() with one line; local paths are asked directly.
     Errors of the client other than a missing file come back as one UserError naming `path`."""
     if not is_remote(path):
         return ask()
@@ -63,11 +67,12 @@ def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
 
     thread = threading.Thread(target=run, name="t5tpu-storage", daemon=True)
     thread.start()
-    thread.join(STORAGE_ANSWER_SECONDS)
+    seconds = answer_seconds()
+    thread.join(seconds)
     if thread.is_alive():
         raise UserError(
             f"{setting}={path}: the storage of {bucket_of(path)} did not answer in "
-            f"{STORAGE_ANSWER_SECONDS:g} s; check the network (or STORAGE_EMULATOR_HOST)"
+            f"{seconds:g} s; check the network (or STORAGE_EMULATOR_HOST)"
         )
     error = answer.get("error")
     if error is None:
@@ -85,7 +90,7 @@ _FOUND_BUCKETS: set[str] = set()
 
 
 def check_storage(path: str | None, setting: str) -> None:
-    """Refuses, in one line and within STORAGE_ANSWER_SECONDS, a remote `path` whose bucket does
+    """Refuses, in one line and within answer_seconds(), a remote `path` whose bucket does
     not exist or whose storage does not answer; local paths and None pass. `setting` names what
     the user set (MODEL_DIR, --input, ...)."""
     if not is_remote(path):
@@ -103,7 +108,7 @@ def check_storage(path: str | None, setting: str) -> None:
 
 def is_file(path: str, setting: str) -> bool:
     """Whether `path` is a file, asked through epath: a remote path's bucket is checked first
-    (check_storage) and the answer bounded by STORAGE_ANSWER_SECONDS. For what TensorFlow's own
+    (check_storage) and the answer bounded by answer_seconds(). For what TensorFlow's own
     client reads later (tf.data, seqio), so a missing object is found here, not in its retries."""
     check_storage(path, setting)
     return answered(lambda: epath.Path(path).is_file(), path=path, setting=setting)
