@@ -12,7 +12,9 @@ from cli_runs import ROOT, file_digests, foreign_log_lines, t5tpu
 from cli_runs import TINY_EXPERIMENT as EXPERIMENT
 
 MEMORIZE_TASK = os.path.join(ROOT, "tests", "data", "memorize_task.py")
-STEPS = 200
+# Exact match on the 32 pairs, seeds 0 / 1: 87.5 / 78.1 at step 25, 96.9 / 93.8 at 50, 100 from
+# step 75 on (2026-11-28).
+STEPS = 100
 
 
 def memorize_flags(*extra):
@@ -74,12 +76,12 @@ def test_training_reports_progress_and_writes_run_files(trained_dir):
     assert "lr 0.01 " in progress[0]  # LEARNING_RATE, constant
     final_loss = float(progress[0].split("loss ")[1].split()[0])
     assert final_loss < 0.05  # z-loss keeps it just above 0
-    assert sorted(d for d in os.listdir(model_dir) if d.startswith("checkpoint_")) == [
+    assert {d for d in os.listdir(model_dir) if d.startswith("checkpoint_")} == {
         f"checkpoint_{STEPS // 2}",
         f"checkpoint_{STEPS}",
-    ]
+    }
     config = pathlib.Path(os.path.join(model_dir, "config.gin")).read_text()
-    assert "TRAIN_STEPS = 200" in config and "T5Config.emb_dim = 128" in config
+    assert f"TRAIN_STEPS = {STEPS}" in config and "T5Config.emb_dim = 128" in config
     assert any(f.startswith("events.out.tfevents") for f in os.listdir(f"{model_dir}/train"))
 
 
