@@ -9,6 +9,7 @@ import csv
 import hashlib
 import os
 import pathlib
+import shutil
 import signal
 import time
 
@@ -181,16 +182,16 @@ def test_kill_9_while_writing_a_chunk_or_merging_then_rerun(model_dir, inputs, r
     shard = ["--gin.INFER_NUM_SHARDS=2", "--gin.INFER_SHARD_ID=0"]
     succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path, *shard)))
     parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    merged, odd = tmp_path / "merged", tmp_path / "odd"
+    shutil.copytree(parts, merged / "inference" / parts.name)  # shard 0's, for the merge below
     one = sorted(n for n in os.listdir(parts) if n.endswith(".jsonl"))[0]
     (parts / f".{one}.tmp-4242").write_bytes((parts / one).read_bytes()[:50])
     succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
     assert _result(tmp_path).read_bytes() == reference
 
     # Every chunk written (shard 1's run alone, elsewhere, keeps its own), none merged yet.
-    merged, odd = tmp_path / "merged", tmp_path / "odd"
     shard1 = ["--gin.INFER_NUM_SHARDS=2", "--gin.INFER_SHARD_ID=1"]
-    for out, flags in ((merged, shard), (odd, shard1)):
-        succeeded(t5tpu("infer", *_flags(model_dir, inputs, out, *flags)))
+    succeeded(t5tpu("infer", *_flags(model_dir, inputs, odd, *shard1)))
     parts = merged / "inference" / f"pairs-{STEPS}.jsonl.parts"
     for chunk in (odd / "inference" / f"pairs-{STEPS}.jsonl.parts").glob("0*.jsonl"):
         (parts / chunk.name).write_bytes(chunk.read_bytes())
