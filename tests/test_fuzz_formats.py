@@ -73,7 +73,8 @@ def _import(path: str):
 
 
 # Every valid input is written once under here; a case replaces one file and puts it back.
-_ROOT = tempfile.mkdtemp(prefix="t5tpu-fuzz-formats-")
+_FOLDER = tempfile.TemporaryDirectory(prefix="t5tpu-fuzz-formats-")  # removed at the worker's exit
+_ROOT = _FOLDER.name
 
 
 @pytest.fixture(scope="module", autouse=True)

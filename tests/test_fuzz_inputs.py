@@ -28,7 +28,8 @@ from t5tpu.runners import evaluator, infer_chunks, infer_inputs, prediction_file
 from t5tpu.runners.infer_chunks import Assignment, ChunkStore, Span
 
 # One folder for every case's files: hypothesis runs many cases in one test function call.
-FOLDER = tempfile.mkdtemp(prefix="t5tpu-fuzz-inputs-")
+_ROOT = tempfile.TemporaryDirectory(prefix="t5tpu-fuzz-inputs-")  # removed at the worker's exit
+FOLDER = _ROOT.name
 
 
 def _file(name: str, data: bytes) -> str:

@@ -61,8 +61,12 @@ def warm(prepared):
     check_and_read_split("validation")
 
 
+# Removed when the worker exits (hypothesis' cases are not pytest tests: no tmp_path).
+_ROOT = tempfile.TemporaryDirectory(prefix="t5tpu_fuzz_tasks_")
+
+
 def _scratch() -> str:
-    return tempfile.mkdtemp(prefix="t5tpu_fuzz_tasks_")
+    return tempfile.mkdtemp(dir=_ROOT.name)
 
 
 def _write(folder: str, name: str, data: bytes) -> str:
