@@ -378,3 +378,13 @@ def test_train_on_a_gcs_quora_dir_behind_a_closed_port_is_one_line_in_bounded_ti
     assert code == 2 and len(lines) == 1, lines
     assert f"QUORA_DATA_DIR={GS}/quora" in lines[0] and "did not answer" in lines[0]
     assert seconds < 60  # start-up, then at most the answer time; not gcsfs' retries
+
+
+def test_a_storage_answer_time_that_is_not_a_number_is_one_line(monkeypatch):
+    from t5tpu.storage import remote
+
+    monkeypatch.setenv("T5TPU_STORAGE_ANSWER_SECONDS", "twenty")
+    with pytest.raises(UserError, match="T5TPU_STORAGE_ANSWER_SECONDS='twenty' is not a number"):
+        remote.answered(lambda: None, path="gs://bucket/file", setting="MODEL_DIR")
+    monkeypatch.setenv("T5TPU_STORAGE_ANSWER_SECONDS", "2.5")
+    assert remote.answer_seconds() == 2.5

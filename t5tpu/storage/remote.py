@@ -23,7 +23,14 @@ from t5tpu.runtime import lazy_imports
 def answer_seconds() -> float:
     """How long storage may take to answer one question before it counts as unreachable
     (T5TPU_STORAGE_ANSWER_SECONDS, read when asked)."""
-    return float(os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20"))
+    value = os.environ.get("T5TPU_STORAGE_ANSWER_SECONDS", "20")
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(
+            f"T5TPU_STORAGE_ANSWER_SECONDS={value!r} is not a number of seconds; set it to one "
+            "(20 when unset) or unset it"
+        ) from None
 
 
 T = TypeVar("T")
@@ -66,8 +73,8 @@ def answered(ask: Callable[[], T], *, path: str, setting: str) -> T:
             answer["error"] = e
 
     thread = threading.Thread(target=run, name="t5tpu-storage", daemon=True)
+    seconds = answer_seconds()  # a bad setting refused before anything is asked
     thread.start()
-    seconds = answer_seconds()
     thread.join(seconds)
     if thread.is_alive():
         raise UserError(
