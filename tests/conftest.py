@@ -9,6 +9,7 @@ next.
 
 import collections
 import os
+import tempfile
 
 # transformers serves the tests as a PyTorch reference; with TensorFlow (and Keras 3) installed
 # it would also load its TensorFlow classes, which refuse Keras 3 (pipeline() imports them).
@@ -48,6 +49,17 @@ def trained_tiny(tmp_path_factory):
     yield path
     # Other files' tests would have seen what one wrote: say so at the end of the session.
     assert file_digests(path) == before, f"a test wrote into the shared {path}; copy it first"
+
+
+@pytest.fixture(scope="session", autouse=True)
+def temporary_folder(tmp_path_factory):
+    """The temporary folder of this process and of the commands it starts, inside the run's base
+    folder, so that it goes with it: what they leave there (TensorFlow's autograph sources, a
+    killed command's scratch) would otherwise pile up in /tmp run after run."""
+    folder = tmp_path_factory.mktemp("tmp", numbered=False)
+    os.environ["TMPDIR"] = str(folder)
+    tempfile.tempdir = None  # asked again at the next use
+    return folder
 
 
 @pytest.fixture(autouse=True)
