@@ -9,6 +9,15 @@ LIBTPU=$(grep '^libtpu==' constraints.txt)
 if [ ! -d ".libtpu/${LIBTPU/==/-}.dist-info" ]; then
   .venv/bin/python -m pip install -q --no-deps --upgrade --target .libtpu "$LIBTPU"
 fi
+# Room for the suite's checkpoints, checked before it starts: a full disk would otherwise show
+# as hundreds of failing tests.
+TEMP="${TMPDIR:-/tmp}" NEED_MB=2048
+FREE_MB=$(df --output=avail -BM "$TEMP" | tail -1 | tr -dc 0-9)
+if [ "$FREE_MB" -lt "$NEED_MB" ]; then
+  echo "test.sh: $FREE_MB MB free in $TEMP; the tests need about $NEED_MB MB." \
+    "Free some space there, or set TMPDIR to a folder on a larger disk." >&2
+  exit 2
+fi
 .venv/bin/ruff check .
 .venv/bin/ruff format --check .
 # Two workers, each test file on one of them (its module fixtures built once): the suite is
