@@ -55,9 +55,11 @@ def trained_tiny(tmp_path_factory):
 def temporary_folder(tmp_path_factory):
     """The temporary folder of this process and of the commands it starts, inside the run's base
     folder, so that it goes with it: what they leave there (TensorFlow's autograph sources, a
-    killed command's scratch) would otherwise pile up in /tmp run after run."""
+    killed command's scratch, libtpu's logs of `plan`'s compiles) would otherwise pile up in
+    /tmp run after run."""
     folder = tmp_path_factory.mktemp("tmp", numbered=False)
     os.environ["TMPDIR"] = str(folder)
+    os.environ["TPU_LOG_DIR"] = str(folder / "tpu_logs")  # libtpu's default is /tmp/tpu_logs
     tempfile.tempdir = None  # asked again at the next use
     return folder
 
