@@ -260,6 +260,27 @@ def test_sigterm_saves_the_chunks_exits_0_and_a_rerun_continues(
 
 
 @pytest.mark.slow
+def test_ctrl_c_keeps_the_chunks_in_one_line_and_a_rerun_continues(
+    model_dir, inputs, reference, tmp_path
+):
+    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
+    proc = _start(model_dir, inputs, tmp_path)
+    _wait_for_chunks(proc, parts, 2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130, stderr[-2000:]
+    # Said as for any command, without training's hint about SIGTERM.
+    assert stderr.strip().splitlines()[-1] == (
+        "t5tpu: interrupted; what was saved is complete, rerun the same command to continue"
+    )
+    kept = sum(n.endswith(".jsonl") for n in os.listdir(parts))
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
+    assert _result(tmp_path).read_bytes() == reference
+    decoded = int(run.stdout.split(" decoded in ")[0].rsplit("(", 1)[1].replace(",", ""))
+    assert decoded == LINES - CHUNK * kept
+
+
+@pytest.mark.slow
 def test_an_input_changed_between_runs_starts_afresh_said_once(model_dir, inputs, tmp_path):
     changed = tmp_path / "pairs.txt"
     changed.write_text(inputs.read_text())

@@ -106,6 +106,9 @@ def test_ctrl_c_says_so_in_one_line_and_the_rerun_resumes_exactly(uninterrupted,
         lines = [line for line in stderr.read().splitlines() if line.strip()]
     assert code == 130
     assert lines[-1].startswith("t5tpu: interrupted; what was saved is complete, rerun")
+    assert lines[-1].endswith(
+        "(to stop training with a checkpoint at the current step, send SIGTERM instead)"
+    )
     assert not any("Traceback" in line for line in lines), lines
     train(model_dir)
     assert_bitwise_equal(load(model_dir), uninterrupted)

@@ -35,14 +35,13 @@ def fail(message: str, code: int = USER_INPUT) -> None:
     os._exit(code)
 
 
-def interrupted() -> None:
+def interrupted(training: bool) -> None:
     """Ctrl-C: one line instead of a traceback. Checkpoints and result files are written to
     temporary names and renamed, so whatever was cut short leaves nothing half-written."""
-    print(
-        "\nt5tpu: interrupted; what was saved is complete, rerun the same command to continue "
-        "(to stop training with a checkpoint at the current step, send SIGTERM instead)",
-        file=sys.stderr,
-    )
+    line = "\nt5tpu: interrupted; what was saved is complete, rerun the same command to continue"
+    if training:
+        line += " (to stop training with a checkpoint at the current step, send SIGTERM instead)"
+    print(line, file=sys.stderr)
     sys.stderr.flush()
     os._exit(130)  # 128 + SIGINT, as a shell reports it
 
@@ -82,7 +81,7 @@ def main(argv: list[str]) -> None:
     except UserError as e:
         fail(one_line_message(e))
     except KeyboardInterrupt:
-        interrupted()
+        interrupted(training=command.trains)
     except RuntimeError as e:
         # gin reports a configurable's unbound gin.REQUIRED argument when it is called.
         message = one_line_message(e)
@@ -109,7 +108,7 @@ def run_tool(command: commands.ToolCommand, argv: list[str]) -> None:
     except UserError as e:
         fail(one_line_message(e))
     except KeyboardInterrupt:
-        interrupted()
+        interrupted(training=command.trains)
     except (EnvironmentFault, OSError) as e:
         fault = environment_fault(e)
         if fault is None:
