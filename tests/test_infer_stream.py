@@ -158,6 +158,23 @@ def _wait_for_chunks(proc, parts, count, timeout=300):
     raise AssertionError(f"no {count} chunks in {parts}: {proc.communicate()[1][-2000:]}")
 
 
+def _signalled_after_two_chunks(model_dir, inputs, out, signum):
+    """(the exit code, stdout, stderr) of an infer run sent `signum` once two chunks are saved."""
+    proc = _start(model_dir, inputs, out)
+    _wait_for_chunks(proc, out / "inference" / f"pairs-{STEPS}.jsonl.parts", 2)
+    proc.send_signal(signum)
+    stdout, stderr = proc.communicate(timeout=120)
+    return proc.returncode, stdout, stderr
+
+
+def _rerun_decodes_only_the_rest(model_dir, inputs, out, reference, kept: int):
+    """A rerun of an interrupted run writes the uninterrupted run's bytes, decoding only what
+    the `kept` chunks did not hold."""
+    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, out)))
+    assert _result(out).read_bytes() == reference
+    assert f"({LINES - CHUNK * kept:,} decoded in" in run.stdout
+
+
 @pytest.mark.slow
 def test_kill_9_between_chunks_then_rerun_gives_the_same_file(
     model_dir, inputs, reference, tmp_path
@@ -169,10 +186,7 @@ def test_kill_9_between_chunks_then_rerun_gives_the_same_file(
     proc.communicate()
     kept = {n: (parts / n).read_bytes() for n in os.listdir(parts) if n.endswith(".jsonl")}
     assert len(kept) >= 3 and not _result(tmp_path).exists()
-    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
-    assert _result(tmp_path).read_bytes() == reference
-    decoded = int(run.stdout.split(" decoded in ")[0].rsplit("(", 1)[1].replace(",", ""))
-    assert decoded == LINES - CHUNK * len(kept)  # the saved chunks were not decoded again
+    _rerun_decodes_only_the_rest(model_dir, inputs, tmp_path, reference, len(kept))
 
 
 @pytest.mark.slow
@@ -248,12 +262,8 @@ def test_in_bfloat16_the_file_is_the_same_whatever_the_chunks_shards_and_batch(
 def test_sigterm_saves_the_chunks_exits_0_and_a_rerun_continues(
     model_dir, inputs, reference, tmp_path
 ):
-    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
-    proc = _start(model_dir, inputs, tmp_path)
-    _wait_for_chunks(proc, parts, 2)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 0, stderr[-2000:]
+    code, stdout, stderr = _signalled_after_two_chunks(model_dir, inputs, tmp_path, signal.SIGTERM)
+    assert code == 0, stderr[-2000:]
     assert "SIGTERM: stopped with" in stdout and not _result(tmp_path).exists()
     succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
     assert _result(tmp_path).read_bytes() == reference
@@ -263,21 +273,15 @@ def test_sigterm_saves_the_chunks_exits_0_and_a_rerun_continues(
 def test_ctrl_c_keeps_the_chunks_in_one_line_and_a_rerun_continues(
     model_dir, inputs, reference, tmp_path
 ):
-    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
-    proc = _start(model_dir, inputs, tmp_path)
-    _wait_for_chunks(proc, parts, 2)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 130, stderr[-2000:]
+    code, _, stderr = _signalled_after_two_chunks(model_dir, inputs, tmp_path, signal.SIGINT)
+    assert code == 130, stderr[-2000:]
     # Said as for any command, without training's hint about SIGTERM.
     assert stderr.strip().splitlines()[-1] == (
         "t5tpu: interrupted; what was saved is complete, rerun the same command to continue"
     )
+    parts = tmp_path / "inference" / f"pairs-{STEPS}.jsonl.parts"
     kept = sum(n.endswith(".jsonl") for n in os.listdir(parts))
-    run = succeeded(t5tpu("infer", *_flags(model_dir, inputs, tmp_path)))
-    assert _result(tmp_path).read_bytes() == reference
-    decoded = int(run.stdout.split(" decoded in ")[0].rsplit("(", 1)[1].replace(",", ""))
-    assert decoded == LINES - CHUNK * kept
+    _rerun_decodes_only_the_rest(model_dir, inputs, tmp_path, reference, kept)
 
 
 @pytest.mark.slow
