@@ -93,10 +93,13 @@ class DenseGeneral(nn.Module):
         )
 
 
+RMS_EPSILON = 1e-6
+
+
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no bias, no mean subtraction."""
 
-    epsilon: float = 1e-6
+    epsilon: float = RMS_EPSILON
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
@@ -124,15 +127,19 @@ class Embed(nn.Module):
         )
 
     def __call__(self, ids: Array) -> Array:
-        rows = precision.on_bits(lambda table: jnp.take(table, ids, axis=0), self.embedding)
-        return _from_bits(rows).astype(self.dtype)
+        return embedded(self.embedding, ids).astype(self.dtype)
 
     def attend(self, x: Array) -> Array:
         """float32 logits of `x` against every embedding row."""
         rows = x.reshape((-1, x.shape[-1]))
-        table = _from_bits(self.embedding)
+        table = from_bits(self.embedding)
         logits = precision.einsum("md,vd->mv", rows, table, self.dtype, jnp.float32)
         return logits.reshape(x.shape[:-1] + (self.num_embeddings,))
+
+
+def embedded(table: Array, ids: Array) -> Array:
+    """The rows of an embedding table (held in bfloat16 or as its bits) for `ids`."""
+    return from_bits(precision.on_bits(lambda t: jnp.take(t, ids, axis=0), table))
 
 
 def embeddings_as_bits(params):
@@ -159,7 +166,7 @@ def embeddings_as_bits(params):
 
 def embeddings_from_bits(params):
     """`params` with embedding tables held as bits (embeddings_as_bits) back in bfloat16."""
-    back = lambda path, x: _from_bits(x) if _is_embedding(path) else x
+    back = lambda path, x: from_bits(x) if _is_embedding(path) else x
     return jax.tree_util.tree_map_with_path(back, params)
 
 
@@ -167,7 +174,8 @@ def _is_embedding(path) -> bool:
     return getattr(path[-1], "key", None) == "embedding"
 
 
-def _from_bits(x: Array) -> Array:
+def from_bits(x: Array) -> Array:
+    """A bfloat16 array held as its bits (uint16) back in bfloat16; any other as it is."""
     return jax.lax.bitcast_convert_type(x, jnp.bfloat16) if x.dtype == jnp.uint16 else x
 
 
@@ -293,28 +301,19 @@ class MultiHeadAttention(nn.Module):
             # The cache is head-major ([batch, heads, length, head_dim]), the layout the
             # attention matmuls read, so no decoding step transposes the whole cache.
             key, value = self._cached_key_value(inputs_kv, decode_position, cross)
-            kv_spec = "bhkd"
         else:
             key = self._project("key", inputs_kv)
             value = self._project("value", inputs_kv)
-            kv_spec = "bkhd"
-        rows = query.shape[0]
-        query, bias = _share_key_value_rows(query, bias, key.shape[0])
-        logits = precision.einsum(f"bqhd,{kv_spec}->bhqk", query, key, self.dtype, jnp.float32)
-        if bias is not None:
-            logits = logits + bias
-        weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
-        if not deterministic and self.dropout_rate > 0:
-            weights = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(weights, False)
         if decode:
-            # Head-major out, then one small transpose: XLA:CPU ran the "bqhd" form as per-head
-            # [head_dim, keys] x [keys, queries] products, slow when beam search's query rows
-            # share a cache row; greedy steps are unaffected (docs/PERFORMANCE.md, "Changes").
-            out = precision.einsum(f"bhqk,{kv_spec}->bhqd", weights, value, self.dtype)
-            out = jnp.swapaxes(out, 1, 2)
+            out = attend(query, key, value, bias, self.dtype)
         else:
-            out = precision.einsum(f"bhqk,{kv_spec}->bqhd", weights, value, self.dtype)
-        out = out.reshape((rows, -1) + out.shape[2:])
+            logits = precision.einsum("bqhd,bkhd->bhqk", query, key, self.dtype, jnp.float32)
+            if bias is not None:
+                logits = logits + bias
+            weights = jax.nn.softmax(logits, axis=-1).astype(self.dtype)
+            if not deterministic and self.dropout_rate > 0:
+                weights = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(weights, False)
+            out = precision.einsum("bhqk,bkhd->bqhd", weights, value, self.dtype)
         dense = DenseGeneral(
             (inputs_q.shape[-1],),
             ("heads", "kv", "embed"),
@@ -345,15 +344,36 @@ class MultiHeadAttention(nn.Module):
         if not creating:
             for cached, name in ((k, "key"), (v, "value")):
                 new = self._project_head_major(name, inputs_kv).astype(cached.value.dtype)
-                cached.value = _write_position(cached.value, new, decode_position)
+                cached.value = write_position(cached.value, new, decode_position)
         return k.value, v.value
 
 
-def _write_position(cache: Array, new: Array, position: Array) -> Array:
+def attend(query: Array, key: Array, value: Array, bias: Array | None, dtype) -> Array:
+    """Decoding's attention of `query` ([rows, q, heads, head_dim]) over head-major cached
+    `key`/`value` ([kv rows, heads, length, head_dim]): [rows, q, heads, head_dim]."""
+    rows = query.shape[0]
+    query, bias = _share_key_value_rows(query, bias, key.shape[0])
+    logits = precision.einsum("bqhd,bhkd->bhqk", query, key, dtype, jnp.float32)
+    if bias is not None:
+        logits = logits + bias
+    weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
+    # Head-major out, then one small transpose: XLA:CPU ran the "bqhd" form as per-head
+    # [head_dim, keys] x [keys, queries] products, slow when beam search's query rows share a
+    # cache row; greedy steps are unaffected (docs/PERFORMANCE.md, "Changes").
+    out = jnp.swapaxes(precision.einsum("bhqk,bhkd->bhqd", weights, value, dtype), 1, 2)
+    return out.reshape((rows, -1) + out.shape[2:])
+
+
+def bias_from_mask(mask: Array) -> Array:
+    """An additive float32 attention bias: 0 where `mask` holds, -1e10 where not."""
+    return jnp.where(mask, 0.0, -1e10).astype(jnp.float32)
+
+
+def write_position(cache: Array, new: Array, position: Array) -> Array:
     """Writes `new` ([batch, heads, 1, kv]) into the cache at `position`: one position for every
     row (a scalar), or each row's own ([batch]) when rows decode at different positions."""
     if cache.dtype == jnp.bfloat16:
-        return precision.on_bits(lambda c, n: _write_position(c, n, position), cache, new)
+        return precision.on_bits(lambda c, n: write_position(c, n, position), cache, new)
     if jnp.ndim(position) == 0:
         return jax.lax.dynamic_update_slice(cache, new, (0, 0, position, 0))
     at = jnp.arange(cache.shape[2])[None, None, :, None] == position[:, None, None, None]

@@ -148,10 +148,6 @@ def _attention_mask(
     return mask[:, None]
 
 
-def _bias_from_mask(mask: Array) -> Array:
-    return jnp.where(mask, 0.0, -1e10).astype(jnp.float32)
-
-
 def _layer_bias(position_bias: Array, mask_bias: Array) -> Array:
     """A layer's attention bias. The stack passes the position bias ([1, heads, q, k], trained)
     and the mask bias ([batch, 1, q, k]) apart and each layer adds them: a sum made once per
@@ -241,7 +237,7 @@ class Encoder(nn.Module):
             cfg.activation_dtype,
             name="relpos_bias",
         )(positions, positions)
-        bias = (relpos, _bias_from_mask(mask))
+        bias = (relpos, layers.bias_from_mask(mask))
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         x = dropout(self.shared_embedding(tokens), deterministic)
         x = layers.constrain(x, ("batch", "length", "embed"))
@@ -300,7 +296,7 @@ class Decoder(nn.Module):
             query_segments=decoder_segment_ids,
             key_segments=encoder_segment_ids,
         )
-        cross_bias = _bias_from_mask(cross_mask)
+        cross_bias = layers.bias_from_mask(cross_mask)
 
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         y = dropout(self.shared_embedding(decoder_input_tokens), deterministic)
@@ -323,11 +319,11 @@ def _one_step_self_bias(relpos: nn.Module, decode_position, max_length: int):
     if jnp.ndim(decode_position) == 0:
         position_bias = relpos(decode_position[None], key_positions)
         visible = (key_positions <= decode_position)[None, None, None, :]
-        return position_bias, _bias_from_mask(visible)
+        return position_bias, layers.bias_from_mask(visible)
     # The rows' positions as the bias's query axis, then moved to the batch axis.
     position_bias = jnp.swapaxes(relpos(decode_position, key_positions), 0, 2)
     visible = (key_positions[None, :] <= decode_position[:, None])[:, None, None, :]
-    return position_bias, _bias_from_mask(visible)
+    return position_bias, layers.bias_from_mask(visible)
 
 
 def _causal_self_bias(relpos: nn.Module, decoder_ok, segment_ids):
@@ -336,7 +332,7 @@ def _causal_self_bias(relpos: nn.Module, decoder_ok, segment_ids):
     mask = _attention_mask(
         decoder_ok, decoder_ok, causal=True, query_segments=segment_ids, key_segments=segment_ids
     )
-    return relpos(positions, positions), _bias_from_mask(mask)
+    return relpos(positions, positions), layers.bias_from_mask(mask)
 
 
 def _output_logits(cfg: T5Config, shared_embedding: nn.Module, y):
