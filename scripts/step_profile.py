@@ -75,7 +75,8 @@ def _segment(model, slots: int, steps: int):
     state = engine.states.abstract(engine.params, shape)
     scalar = jax.ShapeDtypeStruct((), np.int32, sharding=engine.partitioner.replicated())
     segment = engine.programs_of(request, shape).segment
-    return run, lambda: segment.lower(params, state, scalar, scalar).compile().as_text()
+    lowered = lambda: segment.lower(params, engine.step_weights, state, scalar, scalar)
+    return run, lambda: lowered().compile().as_text()
 
 
 def _op_names(hlo: str) -> dict[str, str]:

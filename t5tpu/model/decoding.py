@@ -21,7 +21,7 @@ import numpy as np
 
 from t5tpu import validators
 from t5tpu.errors import UserError
-from t5tpu.model import precision
+from t5tpu.model import feature_major, precision
 from t5tpu.model.layers import CACHE_AXES
 
 Array = jax.Array
@@ -71,20 +71,27 @@ class DecodingSettings:
             )
 
 
-def first_max_index(x: Array) -> Array:
-    """jnp.argmax over the last axis (the first index of the largest value), as two plain
+def first_max_index(x: Array, axis: int = -1) -> Array:
+    """jnp.argmax over `axis` (the first index of the largest value), as two plain
     reductions: XLA:CPU runs argmax's (value, index) reduction unvectorized, far slower than
     these two over a row of logits (docs/PERFORMANCE.md). A NaN row gives the axis length
     instead of NaN's index."""
-    largest = jnp.max(x, axis=-1, keepdims=True)
-    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-    return jnp.min(jnp.where(x == largest, index, x.shape[-1]), axis=-1)
+    axis = axis % x.ndim
+    largest = jnp.max(x, axis=axis, keepdims=True)
+    index = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis)
+    return jnp.min(jnp.where(x == largest, index, x.shape[axis]), axis=axis)
 
 
-def _pick_next(logits: Array, rng: Array, temperature: float, top_k: int) -> Array:
-    """Greedy when temperature is 0, else sampling from the (top-k) tempered distribution."""
+def _pick_next(
+    logits: Array, rng: Array, temperature: float, top_k: int, vocab_axis: int = -1
+) -> Array:
+    """Greedy when temperature is 0, else sampling from the (top-k) tempered distribution.
+    `vocab_axis` 0: logits come as [vocab, rows] (the feature-major step's)."""
     if temperature == 0.0:
-        return first_max_index(logits)
+        return first_max_index(logits, vocab_axis)
+    if vocab_axis == 0:
+        # The barrier keeps XLA from folding the transpose into the logits' dot.
+        logits = jax.lax.optimization_barrier(logits).T
     logits = logits / temperature
     if top_k > 0:
         kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]
@@ -243,23 +250,23 @@ class Picking:
     top_k: int = 0
 
 
-def run_segment(module, params, slots: Slots, picking: Picking, free_wanted, max_steps) -> Slots:
+def run_segment(
+    module, params, slots: Slots, picking: Picking, free_wanted, max_steps, weights=None
+) -> Slots:
     """Decodes every unfinished slot one token per step, until at least `free_wanted` slots are
     finished or free, every slot is, or `max_steps` steps ran. Each slot feeds its own last token
     at its own position and draws from its own key, split once per step as `decode` splits it,
-    so a row decodes exactly as it would have in a batch of its own."""
+    so a row decodes exactly as it would have in a batch of its own. `weights`: the
+    feature-major step's (feature_major.held), or None for the network's decode."""
     rows, max_length = slots.out.shape
-    # Cross-attention reads its cached keys and values; the encoder output is not used again.
-    encoded = jnp.zeros((rows, 1, module.config.emb_dim), module.config.activation_dtype)
+    decoder_step, vocab_axis = _segment_step(module, params, weights)
     columns = jnp.arange(max_length)[None, :]
 
     def step(carry):
         s, steps = carry
-        logits, cache = _decoder_step(
-            module, params, s.cache, encoded, s.encoder_tokens, s.token, s.position
-        )
+        logits, cache = decoder_step(s.cache, s.encoder_tokens, s.token, s.position)
         keys, step_keys = _split(s.keys) if picking.temperature > 0 else (s.keys, s.keys)
-        token = _pick_next(logits, step_keys, picking.temperature, picking.top_k)
+        token = _pick_next(logits, step_keys, picking.temperature, picking.top_k, vocab_axis)
         token = jnp.where(s.done, 0, token)
         written = (columns == s.position[:, None]) & ~s.done[:, None]
         out = jnp.where(written, token[:, None], s.out)
@@ -273,6 +280,27 @@ def run_segment(module, params, slots: Slots, picking: Picking, free_wanted, max
         return (finished < free_wanted) & (finished < rows) & (steps < max_steps)
 
     return jax.lax.while_loop(going, step, (slots, jnp.int32(0)))[0]
+
+
+def _segment_step(module, params, weights):
+    """A segment's decoding step, `(cache, encoder_tokens, token, position) -> (float32 logits,
+    cache)`, and its logits' vocabulary axis: the feature-major step's ([vocab, rows]) where
+    the engine holds its weights (model/feature_major.py), else the network's decode's."""
+    config = module.config
+    if weights is not None:
+
+        def fast(cache, encoder_tokens, token, position):
+            return feature_major.step(config, weights, cache, encoder_tokens, token, position)
+
+        return fast, 0
+    # Cross-attention reads its cached keys and values; the encoder output is not used again.
+    encoded = jnp.zeros((1, 1, config.emb_dim), config.activation_dtype)
+
+    def network(cache, encoder_tokens, token, position):
+        rows = jnp.broadcast_to(encoded, (token.shape[0],) + encoded.shape[1:])
+        return _decoder_step(module, params, cache, rows, encoder_tokens, token, position)
+
+    return network, -1
 
 
 def length_penalty(length: Array | int, alpha: float) -> Array:

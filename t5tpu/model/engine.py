@@ -14,7 +14,8 @@ Everything between rows of token ids and compiled programs lives here, once:
   an input decodes to never depends on its batch mates, its slot or when it joined;
 - parameters are cast once, here, to the network's activation dtype (bf16 weights are read by
   every decoding step: half the memory traffic of float32), a bf16 embedding table held as its
-  bits (layers.embeddings_as_bits);
+  bits (layers.embeddings_as_bits); on CPU a bf16 model's decoder kernels are held a second
+  time, transposed, for the feature-major step its segments run (model/feature_major.py);
 - compiled programs are kept per (kind, settings, shape): the pinned settings' for good, a
   bounded number of other settings' by last use.
 """
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding, layers, precision, slot_batch
+from t5tpu.model import decoding, feature_major, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -237,7 +238,7 @@ class Engine:
         # which eval reads without holding a second, cast copy).
         self._cast = cast
         self._param_shardings = param_shardings
-        self.params = self._placed(params)
+        self.set_params(params)
         self.states = slot_batch.StatePool(
             network=network, partitioner=partitioner, param_view=param_view
         )
@@ -292,6 +293,12 @@ class Engine:
         """Decodes with other parameters of the same shapes (another checkpoint): the compiled
         programs are kept."""
         self.params = self._placed(params)
+        # The feature-major decoding step's copy of the decoder's kernels, where it applies.
+        self.step_weights = (
+            feature_major.held(self.network.config, self.params, self.partitioner)
+            if self._cast
+            else None
+        )
 
     def _placed(self, params):
         if not self._cast:

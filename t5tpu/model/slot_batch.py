@@ -125,7 +125,7 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = 
     compiles = (
         lambda: programs.insert.lower(params, state, *rows).compile(),
         lambda: programs.segment.lower(
-            params, state, arg((), np.int32), arg((), np.int32)
+            params, engine.step_weights, state, arg((), np.int32), arg((), np.int32)
         ).compile(),
     )
     with concurrent.futures.ThreadPoolExecutor(2 if together else 1) as pool:
@@ -155,12 +155,17 @@ def build_segment(*, engine, request, shape: Shape):
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
-    def segment(params, slots, free_wanted, max_steps):
-        slots = decoding.run_segment(module, params, slots, picking, free_wanted, max_steps)
+    def segment(params, weights, slots, free_wanted, max_steps):
+        slots = decoding.run_segment(
+            module, params, slots, picking, free_wanted, max_steps, weights
+        )
         return slots, slots.done, slots.out
 
     return engine.jit(
-        segment, (state, replicated, replicated), (state, replicated, replicated), (1,)
+        segment,
+        (replicated, state, replicated, replicated),
+        (state, replicated, replicated),
+        (2,),
     )
 
 
@@ -201,6 +206,7 @@ class SlotBatch:
         put = self.engine.replicate
         self._state, done, out = self._programs.segment(
             self.engine.params,
+            self.engine.step_weights,
             self._state,
             put(np.int32(min(free_wanted, self.count))),
             put(np.int32(max_steps)),
