@@ -263,6 +263,26 @@ def test_bf16_dense_chain_keeps_bf16_dots_and_its_flops():
     assert {(types[a], types[b]) for a, b in dots} == {("bf16", "bf16")}
 
 
+@pytest.mark.parametrize("rows", [1, 4])
+def test_feature_major_decode_chain_keeps_bf16_dots_and_its_flops(rows):
+    """A decoding step's chain as CPU's bf16 step runs it (weights [out, in] on the left): bf16
+    dots only, one per matmul, XLA counting the FLOPs the probe claims (a single row is fed
+    twice, as the step does)."""
+    config = workloads.build_model(bench.parse_args([f"--gin_file={TINY}", BF16])).config
+    matmuls = kernels.decode_step_dense(config, rows)
+    probe = kernels.dense_probe(matmuls, jnp.bfloat16, feature_major=True)
+    operands = kernels.dense_operands(matmuls, jnp.bfloat16, False, feature_major=True)
+    compiled = kernels.dense_chain(matmuls, False, feature_major=True).lower(*operands).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    assert cost["flops"] == pytest.approx(probe.work * (2 if rows == 1 else 1), rel=0.01)
+    hlo = compiled.as_text()
+    types = dict(re.findall(r"%([\w.\-]+) = (\w+)\[", hlo))
+    dots = re.findall(r" dot\(%([\w.\-]+), %([\w.\-]+)\)", hlo)
+    assert len(dots) == len(matmuls)
+    assert {(types[a], types[b]) for a, b in dots} == {("bf16", "bf16")}
+
+
 def test_limit_probes_are_positive_and_robust():
     kinds = limits.make_probes(matmul_size=64, memory_bytes=2**20)
     found = limits.probe_all(kinds, probes=5, best_k=3, when="probes in a test")

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.bench.limits import Probe
+from t5tpu.model import feature_major as feature_major_step
 from t5tpu.model import precision
 
 
@@ -67,21 +68,31 @@ def decode_step_dense(config, rows: int) -> list[DenseMatmul]:
     return decoder + [DenseMatmul(rows, config.emb_dim, config.vocab_size)]
 
 
-def dense_operands(matmuls: list[DenseMatmul], dtype, backward: bool) -> tuple:
+def dense_operands(
+    matmuls: list[DenseMatmul], dtype, backward: bool, feature_major: bool = False
+) -> tuple:
     """(weights, inputs, output gradients) for dense_chain: a weight matrix per matmul, so the
     chain reads as many weight bytes as the workload; inputs and output gradients (`backward`
-    only) shared by shape, by (rows, width)."""
+    only) shared by shape, by (rows, width). `feature_major`: weights [out, in] and inputs
+    [in, rows], as CPU's bf16 decoding step holds them (model/feature_major.py)."""
     seeds = itertools.count()
     normal = lambda shape: jax.random.normal(jax.random.PRNGKey(next(seeds)), shape, dtype)
+    if feature_major:
+        weights = [normal((m.fan_out, m.fan_in)) for m in matmuls]
+        inputs = {(m.rows, m.fan_in): normal((m.fan_in, m.rows)) for m in matmuls}
+        return weights, inputs, {}
     weights = [normal((m.fan_in, m.fan_out)) for m in matmuls]
     inputs = {(m.rows, m.fan_in): normal((m.rows, m.fan_in)) for m in matmuls}
     grads = {(m.rows, m.fan_out): normal((m.rows, m.fan_out)) for m in matmuls if backward}
     return weights, inputs, grads
 
 
-def _products(x, w, dy):
+def _products(x, w, dy, feature_major: bool):
     """x @ w, and with `dy` the two gradient matmuls, as the model computes them: float32, or
-    bfloat16 inputs with float32 accumulation (precision.contract's fast forms)."""
+    bfloat16 inputs with float32 accumulation (precision.contract's fast forms, or the
+    feature-major step's)."""
+    if feature_major:
+        return [feature_major_step.dense(w, x, jnp.float32)]
     if x.dtype == jnp.float32:
         return [x @ w] + ([] if dy is None else [dy @ w.T, x.T @ dy])
     products = [precision.contract("mk,kn->mn", x, w)]
@@ -93,7 +104,7 @@ def _products(x, w, dy):
     return products
 
 
-def dense_chain(matmuls: list[DenseMatmul], backward: bool):
+def dense_chain(matmuls: list[DenseMatmul], backward: bool, feature_major: bool = False):
     """The jitted chain over dense_operands: each matmul in turn, with `backward` its two gradient
     matmuls too ([rows, out] x [out, in] and [in, rows] x [rows, out]), as a train step's
     backward pass does."""
@@ -104,7 +115,8 @@ def dense_chain(matmuls: list[DenseMatmul], backward: bool):
         carry = jnp.zeros((), dtype)
         for m, w in zip(matmuls, weights, strict=True):
             x = inputs[(m.rows, m.fan_in)] + carry
-            products = _products(x, w, grads[(m.rows, m.fan_out)] if backward else None)
+            dy = grads[(m.rows, m.fan_out)] if backward else None
+            products = _products(x, w, dy, feature_major)
             # The next input depends on one element of each product; the barrier makes sure
             # no XLA version computes only that element (the tests check the compiled FLOPs).
             products = jax.lax.optimization_barrier(products)
@@ -114,11 +126,13 @@ def dense_chain(matmuls: list[DenseMatmul], backward: bool):
     return chain
 
 
-def dense_probe(matmuls: list[DenseMatmul], dtype, backward: bool = False) -> Probe:
+def dense_probe(
+    matmuls: list[DenseMatmul], dtype, backward: bool = False, feature_major: bool = False
+) -> Probe:
     """A Probe (rate in FLOP/s) that runs dense_chain once, compiled and run once here so that
     no probe times the compile or a first call's set-up, with or without --warmup."""
-    operands = dense_operands(matmuls, dtype, backward)
-    chain = dense_chain(matmuls, backward).lower(*operands).compile()
+    operands = dense_operands(matmuls, dtype, backward, feature_major)
+    chain = dense_chain(matmuls, backward, feature_major).lower(*operands).compile()
     jax.block_until_ready(chain(*operands))
     flops = sum(m.flops for m in matmuls) * (3 if backward else 1)
     shape = f"{len(matmuls)} dense matmuls{' and their gradients' if backward else ''}"

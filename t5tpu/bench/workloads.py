@@ -268,7 +268,10 @@ def bench_decode(model, args, inputs: np.ndarray, settings, probes: dict) -> Wor
     flops = decode_flops(config, batch, args.input_length, length, num_beams)
     step_flops = decode_step_flops(config, batch * num_beams, args.input_length, length)
     floor_bytes = decode_step_bytes(config, batch, args.input_length, length, num_beams)
-    dense = dense_probe(decode_step_dense(config, batch * num_beams), config.activation_dtype)
+    # The step's own orientation: feature-major where the engine holds its weights.
+    feature_major = decoder.step_weights is not None and num_beams == 1
+    matmuls = decode_step_dense(config, batch * num_beams)
+    dense = dense_probe(matmuls, config.activation_dtype, feature_major=feature_major)
     peak = peak_name(config.dtype)
 
     def report(seconds: float, prefill: float, limits: dict) -> dict:
