@@ -104,6 +104,21 @@ def test_the_engine_decodes_the_hf_fixtures_in_bf16_as_in_float32(saved, variant
     assert len({tuple(row) for row in want}) == 3  # the rows decode differently
 
 
+@pytest.mark.parametrize("batch_size", [4, 1])
+def test_sampling_draws_what_the_networks_decode_draws(batch_size):
+    """Top-k sampling reads the step's [vocab, rows] logits through a transpose: the same
+    draws as the network's decode from the same keys."""
+    module, params, tokens = _network()
+    rows = [[int(i) for i in row if i] for row in np.asarray(tokens)]
+    request = Request(decoding.DecodingSettings(temperature=1.0, top_k=8, seed=3), 10)
+    engine = _engine(module.config, params, batch_size)
+    assert engine.step_weights is not None
+    got = engine.generate(rows, request)
+    engine.step_weights = None  # the network's decode, same parameters
+    np.testing.assert_array_equal(got, engine.generate(rows, request))
+    assert len({tuple(row) for row in got}) == 3
+
+
 def test_it_applies_to_bf16_cpu_programs_of_unrolled_layers_without_adapters():
     config = tiny_config(dtype="bfloat16")
     assert feature_major.applies(config, "cpu")
