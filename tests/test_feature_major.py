@@ -119,10 +119,9 @@ def test_sampling_draws_what_the_networks_decode_draws(batch_size):
     assert len({tuple(row) for row in got}) == 3
 
 
-def test_it_applies_to_bf16_one_cpu_programs_of_unrolled_layers_without_adapters():
+def test_it_applies_to_bf16_cpu_programs_of_unrolled_layers_without_adapters():
     config = tiny_config(dtype="bfloat16")
     assert feature_major.applies(config, "cpu")
-    assert not feature_major.applies(config, "cpu", devices=4)
     assert not feature_major.applies(config, "tpu")
     assert not feature_major.applies(config, "cuda")
     assert not feature_major.applies(dataclasses.replace(config, dtype="float32"), "cpu")

@@ -14,7 +14,7 @@ Everything between rows of token ids and compiled programs lives here, once:
   an input decodes to never depends on its batch mates, its slot or when it joined;
 - parameters are cast once, here, to the network's activation dtype (bf16 weights are read by
   every decoding step: half the memory traffic of float32), a bf16 embedding table held as its
-  bits (layers.embeddings_as_bits); on one CPU a bf16 model's decoder kernels are held a second
+  bits (layers.embeddings_as_bits); on CPU a bf16 model's decoder kernels are held a second
   time, transposed, for the feature-major step its segments run (model/feature_major.py);
 - compiled programs are kept per (kind, settings, shape): the pinned settings' for good, a
   bounded number of other settings' by last use.

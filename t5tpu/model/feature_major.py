@@ -9,11 +9,9 @@ scripts/dot_orientation.py). This step reads the same caches as the network's de
 `Weights`, made once by the engine), the hidden state flowing as [features, rows] from dot to
 dot, and the attention over the caches done by the network's own function (layers.attend).
 
-Where a step runs here is decided once, by `applies`: CPU programs on one device, of a bfloat16
-model with its layers unrolled and no LoRA adapters. The engine then holds the weights (`held`)
-and `decoding.run_segment` takes this step; everything else runs the network's decode. (On a
-mesh of several CPU devices, fake or across processes, its greedy ids were seen to differ from
-the network's decode on a padded row: not understood yet, so such meshes keep the network's.)
+Where a step runs here is decided once, by `applies`: CPU programs of a bfloat16 model with its
+layers unrolled and no LoRA adapters. The engine then holds the weights (`held`) and
+`decoding.run_segment` takes this step; everything else runs the network's decode.
 """
 
 from __future__ import annotations
@@ -32,11 +30,10 @@ _NORMS = ("pre_self_attention_layer_norm", "pre_cross_attention_layer_norm", "pr
 _SELF, _CROSS = "self_attention", "encoder_decoder_attention"
 
 
-def applies(config, platform: str, devices: int = 1) -> bool:
-    """Whether decoding steps of `config` on a mesh of `devices` on `platform` run here."""
+def applies(config, platform: str) -> bool:
+    """Whether decoding steps of `config` on `platform` run here."""
     return (
         platform == "cpu"
-        and devices == 1
         and config.dtype == "bfloat16"
         and not config.scan_layers
         and config.lora is None
@@ -65,8 +62,7 @@ def held(config, params, partitioner) -> Weights | None:
     """The weights a decoding engine holds beside `params` (cast, embedding table as bits) for
     this step, replicated; None where the step does not apply. A copy of the decoder's
     kernels, made once."""
-    devices = partitioner.mesh.devices
-    if not applies(config, devices.flat[0].platform, devices.size):
+    if not applies(config, partitioner.mesh.devices.flat[0].platform):
         return None
     made = jax.jit(lambda p: weights(config, p), out_shardings=partitioner.replicated())
     return made(params)
