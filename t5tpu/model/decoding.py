@@ -259,7 +259,7 @@ def run_segment(
     so a row decodes exactly as it would have in a batch of its own. `weights`: the
     feature-major step's (feature_major.held), or None for the network's decode."""
     rows, max_length = slots.out.shape
-    decoder_step, vocab_axis = _segment_step(module, params, weights)
+    decoder_step, vocab_axis = _segment_step(module, params, weights, rows)
     columns = jnp.arange(max_length)[None, :]
 
     def step(carry):
@@ -282,7 +282,7 @@ def run_segment(
     return jax.lax.while_loop(going, step, (slots, jnp.int32(0)))[0]
 
 
-def _segment_step(module, params, weights):
+def _segment_step(module, params, weights, rows: int):
     """A segment's decoding step, `(cache, encoder_tokens, token, position) -> (float32 logits,
     cache)`, and its logits' vocabulary axis: the feature-major step's ([vocab, rows]) where
     the engine holds its weights (model/feature_major.py), else the network's decode's."""
@@ -294,11 +294,10 @@ def _segment_step(module, params, weights):
 
         return fast, 0
     # Cross-attention reads its cached keys and values; the encoder output is not used again.
-    encoded = jnp.zeros((1, 1, config.emb_dim), config.activation_dtype)
+    encoded = jnp.zeros((rows, 1, config.emb_dim), config.activation_dtype)
 
     def network(cache, encoder_tokens, token, position):
-        rows = jnp.broadcast_to(encoded, (token.shape[0],) + encoded.shape[1:])
-        return _decoder_step(module, params, cache, rows, encoder_tokens, token, position)
+        return _decoder_step(module, params, cache, encoded, encoder_tokens, token, position)
 
     return network, -1
 

@@ -199,9 +199,7 @@ def dense(weight: Array, x: Array, out_dtype) -> Array:
 
 def _norm(x: Array, scale: Array, dtype) -> Array:
     """layers.RMSNorm over the feature axis (0)."""
-    x32 = x.astype(jnp.float32)
-    variance = jnp.mean(jnp.square(x32), axis=0, keepdims=True)
-    return (x32 * jax.lax.rsqrt(variance + layers.RMS_EPSILON) * scale[:, None]).astype(dtype)
+    return layers.rms_normalized(x, scale, dtype, axis=0)
 
 
 def _self_bias(config, table: Array, position: Array, max_length: int) -> Array:

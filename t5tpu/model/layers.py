@@ -93,21 +93,25 @@ class DenseGeneral(nn.Module):
         )
 
 
-RMS_EPSILON = 1e-6
-
-
 class RMSNorm(nn.Module):
     """T5's layer norm: scale only, no bias, no mean subtraction."""
 
-    epsilon: float = RMS_EPSILON
+    epsilon: float = 1e-6
     dtype: jnp.dtype = jnp.float32
 
     @nn.compact
     def __call__(self, x: Array) -> Array:
         scale = param_with_axes(self, "scale", nn.initializers.ones, (x.shape[-1],), ("embed",))
-        x32 = x.astype(jnp.float32)
-        variance = jnp.mean(jnp.square(x32), axis=-1, keepdims=True)
-        return (x32 * jax.lax.rsqrt(variance + self.epsilon) * scale).astype(self.dtype)
+        return rms_normalized(x, scale, self.dtype, epsilon=self.epsilon)
+
+
+def rms_normalized(x: Array, scale: Array, dtype, *, axis: int = -1, epsilon: float = 1e-6):
+    """RMSNorm's arithmetic over the feature `axis` of `x` (float32 inside, `dtype` out)."""
+    x32 = x.astype(jnp.float32)
+    variance = jnp.mean(jnp.square(x32), axis=axis, keepdims=True)
+    shape = [1] * x.ndim
+    shape[axis] = -1
+    return (x32 * jax.lax.rsqrt(variance + epsilon) * scale.reshape(shape)).astype(dtype)
 
 
 class Embed(nn.Module):
