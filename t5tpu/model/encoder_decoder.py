@@ -15,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
 from t5tpu.model.lora import LoraSettings
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.runtime.lazy_imports import seqio
@@ -40,6 +39,12 @@ def cross_entropy(
         nll = (confidence - low) * nll + low * vocab * mean_nll - entropy
     z_term = z_loss * jnp.square(log_z)
     return nll + z_term, z_term
+
+
+def loss_weights(batch: dict) -> Array:
+    """Each target token's weight in the loss: the batch's own, or 1 for every real token."""
+    targets = batch["decoder_target_tokens"]
+    return batch.get("decoder_loss_weights", (targets > 0).astype(jnp.float32))
 
 
 @gin.configurable
@@ -98,10 +103,13 @@ class EncoderDecoderModel:
         trainer divides by `normalizer`)."""
         logits = self.logits(params, batch, dropout_rng)
         targets = batch["decoder_target_tokens"]
-        weights = batch.get("decoder_loss_weights", (targets > 0).astype(jnp.float32))
+        weights = loss_weights(batch)
         token_loss, z_term = cross_entropy(logits, targets, self.label_smoothing, self.z_loss)
         num_tokens = jnp.sum(weights)
-        correct = (decoding.first_max_index(logits) == targets) * weights
+        # A target tied for the highest logit counts as predicted. Compared with the maximum
+        # the loss computes anyway; an argmax is another pass over [batch, length, vocab].
+        target_logit = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+        correct = (target_logit >= jnp.max(logits, axis=-1)) * weights
         metrics = {
             "loss_sum": jnp.sum(token_loss * weights),
             "z_loss_sum": jnp.sum(z_term * weights),

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from t5tpu.model.encoder_decoder import EncoderDecoderModel
+from t5tpu.model.encoder_decoder import EncoderDecoderModel, loss_weights
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import optim
 
@@ -84,15 +84,17 @@ def train_step(
     parameters' shardings) keeps gradients partitioned like the parameters inside jit."""
     rng = jax.random.fold_in(dropout_seed, state.step)
     use_dropout = model.config.dropout_rate > 0
+    # The whole batch's normalizer divides each microbatch's loss before differentiation: the
+    # gradients come out normalized, without another pass over them.
+    normalizer = model.normalizer(jnp.sum(loss_weights(batch)))
 
     def loss_fn(params, microbatch, micro_rng):
-        return model.loss(params, microbatch, micro_rng if use_dropout else None)
+        loss_sum, sums = model.loss(params, microbatch, micro_rng if use_dropout else None)
+        return loss_sum / normalizer, sums
 
     grads, sums = _sum_grads_over_microbatches(
         loss_fn, state.params, batch, rng, num_microbatches, grad_shardings
     )
-    normalizer = model.normalizer(sums["num_tokens"])
-    grads = jax.tree_util.tree_map(lambda g: g / normalizer, grads)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     num_tokens = jnp.maximum(sums["num_tokens"], 1.0)
