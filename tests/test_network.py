@@ -321,3 +321,15 @@ def test_bfloat16_activations_close_to_float32(setup, variant):
     scale = float(jnp.std(expected))
     np.testing.assert_allclose(got, expected, atol=0.1 * scale, rtol=0.05)
     assert float(jnp.mean(jnp.argmax(got, -1) == jnp.argmax(expected, -1))) > 0.8
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8])
+def test_layer_bias_gradient_is_the_batch_sum(batch):
+    from t5tpu.model import network
+
+    rng = np.random.default_rng(batch)
+    position = jnp.asarray(rng.standard_normal((1, 2, 3, 4)), jnp.float32)
+    mask = jnp.asarray(rng.standard_normal((batch, 1, 3, 4)), jnp.float32)
+    weights = jnp.asarray(rng.standard_normal((batch, 2, 3, 4)), jnp.float32)
+    got = jax.grad(lambda p: jnp.sum(network._layer_bias(p, mask) * weights))(position)
+    np.testing.assert_allclose(got, weights.sum(0, keepdims=True), rtol=1e-6, atol=1e-6)
