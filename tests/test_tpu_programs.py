@@ -62,10 +62,14 @@ def test_tpu_dots_are_plain_bf16(programs, slice_name, program):
 
 def test_the_same_programs_for_cpu_take_cpu_shapes(programs):
     """The check above can fail: lowered for CPU, the same programs have XLA:CPU's shapes
-    (training's backward contracts leading dims; a decoding step's query is one row)."""
+    (training's backward contracts leading dims; a decoding step's query is one row; each
+    layer's position-bias gradient is summed over the batch by a float32 product with ones,
+    precision.sum_rows)."""
     cpu = programs["cpu"]
     assert cpu["train"]["unit_contracted"] > 0 and cpu["segment"]["two_row"] > 0
-    assert cpu["train"]["operand_types"] == {"bf16,bf16": cpu["train"]["dots"]}
+    sums = 2 + 2  # one a layer: two encoder and two decoder layers
+    matmuls = cpu["train"]["dots"] - sums
+    assert cpu["train"]["operand_types"] == {"bf16,bf16": matmuls, "f32,f32": sums}
 
 
 @pytest.mark.parametrize("slice_name", SLICES)

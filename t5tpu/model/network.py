@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.model import layers
+from t5tpu.model import layers, precision
 from t5tpu.model.lora import LoraSettings
 
 Array = jax.Array
@@ -163,15 +163,12 @@ def _layer_bias_forward(position_bias, mask_bias):
 
 
 def _layer_bias_backward(inputs, grad):
-    """The position bias's gradient summed over the batch by halves: XLA:CPU reduced a
-    [batch, heads, q, k] gradient over its batch axis at ~1 GB/s, its adds at the memory's
-    rate (docs/PERFORMANCE.md). The mask bias is made from token ids: no gradient."""
+    """The position bias's gradient: the layer's summed over the batch by precision.sum_rows
+    (XLA:CPU's own reduction of it was slow). The mask bias is made from token ids: no
+    gradient."""
     position_bias, mask_bias = inputs
     if position_bias.shape[0] == 1:
-        while grad.shape[0] > 1:
-            half, odd = divmod(grad.shape[0], 2)
-            summed = grad[:half] + grad[half : 2 * half]
-            grad = summed.at[:1].add(grad[-1:]) if odd else summed
+        grad = precision.sum_rows(grad)
     return grad, jnp.zeros_like(mask_bias)
 
 
