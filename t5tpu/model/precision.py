@@ -23,7 +23,8 @@ Those shapes are for XLA:CPU only: TPU and GPU get the plain dot (bf16 operands,
 accumulation), which their compilers lay out themselves; the duplicated row would double a
 decoding step's matmul work there. `cpu_shapes` decides, once per traced dot, from the platform
 the program is traced for (Partitioner.jit sets it from its mesh's devices: libtpu's
-compile-only devices of a slice count as TPU), else from jax's default backend.
+compile-only devices of a slice count as TPU), else from jax's default backend. `sum_rows`
+makes the same choice for a sum over a leading axis, which XLA:CPU reduces slowly.
 """
 
 from __future__ import annotations
