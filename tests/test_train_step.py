@@ -63,6 +63,7 @@ def test_step_follows_the_gradient_of_the_mean_token_loss():
     for got, want in zip(jax.tree.leaves(got_grads), jax.tree.leaves(want_grads), strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(metrics["loss"], want_loss, rtol=1e-5)
+    np.testing.assert_allclose(metrics["grad_norm"], optax.tree.norm(want_grads), rtol=1e-4)
     assert float(metrics["nonpadding_tokens"]) == 11
 
     logits = model.logits(params, batch)
