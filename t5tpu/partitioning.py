@@ -164,14 +164,16 @@ def param_specs(boxed_params, rules, mesh_sizes: dict[str, int]):
 
 
 def _factored_spec(moment_shape, param_shape, spec: PartitionSpec) -> PartitionSpec:
-    """Spec of a factored moment (the parameter with one dimension reduced away). Where it is
-    ambiguous which dimension went (equal sizes), the dimensions that disagree stay unsharded."""
+    """Spec of a factored moment: the parameter with one dimension reduced away, or two
+    neighbouring ones (heads and head_dim of an attention kernel, training/optim.py). Where it
+    is ambiguous which went (equal sizes), the dimensions that disagree stay unsharded."""
     param_shape, moment_shape = tuple(param_shape), tuple(moment_shape)
     axes = list(spec) + [None] * (len(param_shape) - len(spec))
     candidates = [
-        axes[:i] + axes[i + 1 :]
+        axes[:i] + axes[end:]
         for i in range(len(param_shape))
-        if param_shape[:i] + param_shape[i + 1 :] == moment_shape
+        for end in (i + 1, i + 2)
+        if end <= len(param_shape) and param_shape[:i] + param_shape[end:] == moment_shape
     ]
     if not candidates:
         return PartitionSpec()
@@ -202,7 +204,7 @@ def opt_state_specs(abstract_opt_state, abstract_params, specs):
             param_shape, spec = found
             if tuple(leaf.shape) == tuple(param_shape):
                 return spec
-            if len(leaf.shape) == len(param_shape) - 1:
+            if len(leaf.shape) < len(param_shape):
                 return _factored_spec(leaf.shape, param_shape, spec)
             return PartitionSpec()
         return PartitionSpec()

@@ -29,7 +29,8 @@ pytestmark = pytest.mark.slow
 EXPERIMENT = "configs/experiments/text_to_text_tiny_cpu.gin"
 EXAMPLES = os.path.join(ROOT, "examples", "text_to_text")
 BASE_STEPS = 150
-LORA_STEPS = 200
+# LoRA's steps to >= 90% on the last word: 92-98% at 400 with seeds 0 and 1 (at 200: 73-83%).
+LORA_STEPS = 400
 ITEMS = ("params", "opt_state")
 # No dropout and a higher rate: the tiny model copies the first word at ~90% in 150 steps.
 COMMON = ["--gin.DROPOUT_RATE=0.0", "--gin.EVAL_PERIOD=0", "--gin.train.log_period=50"]

@@ -23,7 +23,7 @@ from t5tpu.training import optim
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny T5 1.1 with 1+1 layers and 8 heads: heads, mlp and vocab divide every mesh up to 8-way
 # model parallelism, and its 128 x 256 kernels Adafactor factors.
-CONFIG = tiny_config(num_heads=8, head_dim=16, num_encoder_layers=1, num_decoder_layers=1)
+CONFIG = tiny_config(num_heads=8, head_dim=32, num_encoder_layers=1, num_decoder_layers=1)
 MESHES = {"8x1": 1, "4x2": 2, "2x4": 4, "1x8": 8}
 
 
@@ -116,11 +116,11 @@ def test_a_dimension_the_mesh_does_not_divide_stays_replicated():
     assert specs["encoder/layers_0/mlp/wi_0/kernel"] == P(None, "model")
 
 
-def _opt_specs(optimizer):
+def _opt_specs(optimizer, config=CONFIG):
     import flax.linen as nn
     import jax
 
-    boxed = boxed_params(CONFIG)
+    boxed = boxed_params(config)
     params = nn.unbox(boxed)
     rules = partitioning.standard_logical_axis_rules()
     specs = partitioning.param_specs(boxed, rules, MESH_4X2)
@@ -137,11 +137,21 @@ def test_adafactor_factored_moments_keep_the_sharding_of_their_dimensions():
     # embedding (vocab 1024, embed 128): v_row drops vocab, v_col keeps it (sharded).
     assert factored.v_row["token_embedder"]["embedding"] == P(None)
     assert factored.v_col["token_embedder"]["embedding"] == P("model")
-    # Unfactored (3-D attention kernels with a dimension below 128): like the parameter.
-    assert factored.v["encoder"]["layers_0"]["attention"]["query"]["kernel"] == P(
-        None, "model", None
-    )
     assert factored.count == P()
+
+
+def test_attention_moments_are_factored_as_t5x_matrices_and_keep_the_heads_sharding():
+    # Kernels [embed 128, heads 8, head_dim 32] and [8, 32, 128], heads over 'model': their
+    # moments factor over embed and heads x head_dim, which keeps the heads' sharding.
+    state, specs = _opt_specs(optim.adafactor())
+    attention = (specs[0].v_row, specs[0].v_col, state[0].v_row, state[0].v_col)
+    attention = [moments["encoder"]["layers_0"]["attention"] for moments in attention]
+    for name in ("query", "out"):
+        row, col, row_shape, col_shape = (a[name]["kernel"] for a in attention)
+        assert {row_shape.shape: row, col_shape.shape: col} == {
+            (128,): P(None),
+            (8, 32): P("model", None),
+        }
 
 
 def test_adamw_moments_are_sharded_like_their_parameters():
@@ -185,7 +195,7 @@ def test_state_lands_on_the_mesh_as_the_rules_say(eight_devices):
     assert placed["params/encoder/layers_0/mlp/wi_0/kernel"] == [None, "model"]
     assert placed["params/token_embedder/embedding"] == ["model", None]
     assert placed["opt_state/v_col/encoder/layers_0/mlp/wi_0/kernel"] == ["model"]
-    assert placed["opt_state/v/encoder/layers_0/attention/query/kernel"] == [None, "model", None]
+    assert placed["opt_state/v_col/encoder/layers_0/attention/query/kernel"] == ["model", None]
     assert placed["batch"] == ["data", None]
 
 
@@ -286,8 +296,8 @@ def _worker() -> dict:
         "opt_state/v_col/encoder/layers_0/mlp/wi_0/kernel": spec(
             adafactor_state.v_col["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
         ),
-        "opt_state/v/encoder/layers_0/attention/query/kernel": spec(
-            adafactor_state.v["encoder"]["layers_0"]["attention"]["query"]["kernel"]
+        "opt_state/v_col/encoder/layers_0/attention/query/kernel": spec(
+            adafactor_state.v_col["encoder"]["layers_0"]["attention"]["query"]["kernel"]
         ),
         "batch": spec(mesh_batch["encoder_input_tokens"]),
     }

@@ -274,16 +274,28 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
 def _check_optimizer(mngr, step: int, unrolled_opt_state) -> None:
     """Refuses optimizer state of another optimizer or settings (AdamW's moments where the run
     has Adafactor's factored ones), which orbax would reject with a tree-structure dump."""
-    differences = geometry_differences(
-        flat_shapes(mngr.item_metadata(step)["opt_state"]), flat_shapes(unrolled_opt_state)
-    )
+    found = flat_shapes(mngr.item_metadata(step)["opt_state"])
+    expected = flat_shapes(unrolled_opt_state)
+    differences = geometry_differences(found, expected)
     if differences:
+        settings = f"those of its {paths.TRAIN_CONFIG}"
+        if full_attention_moments(found, expected):
+            settings += " and --gin.adafactor.join_heads=False (saved before 2026-11-29)"
         raise UserError(
             f"checkpoint {_step_path(mngr, step)} holds the state of another "
-            f"optimizer or optimizer settings ({differences}); resume with those of its "
-            f"{paths.TRAIN_CONFIG}, or fine-tune from its parameters in a new MODEL_DIR with "
-            "INITIAL_CHECKPOINT_PATH"
+            f"optimizer or optimizer settings ({differences}); resume with {settings}, or "
+            "fine-tune from its parameters in a new MODEL_DIR with INITIAL_CHECKPOINT_PATH"
         )
+
+
+def full_attention_moments(found: dict[str, tuple], expected: dict[str, tuple]) -> bool:
+    """Whether `found` holds the full Adafactor moments of attention kernels that `expected`
+    factors (training/optim.py's join_heads, which t5tpu's Adafactor lacked before)."""
+    return any(
+        "/v/" in name and name.endswith("kernel") and len(found.get(name, ())) == 3
+        for name, shape in expected.items()
+        if shape == (1,)
+    )
 
 
 def check_readable(model_dir: str, step: int, items=("params",)) -> None:
