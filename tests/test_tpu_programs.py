@@ -2,7 +2,8 @@
 a stack) and a decoding segment (decoding.run_segment, as the engine jits it) compiled by TPU's
 compiler for libtpu's compile-only devices of a v2-8 and a v4-8.
 
-- every dot reads bf16 operands and accumulates in float32;
+- every dot reads bf16 operands (the matrix unit accumulates in float32) and returns bf16 or
+  float32 as asked (float32: attention scores, the position bias, logits, parameters' gradients);
 - none of XLA:CPU's shapes (model/precision.py) reach them: no unit contracted dim, no single
   row duplicated to two (the same programs lowered for CPU have both, so the check can fail);
 - XLA's FLOP count of the train step is within 1.1x of the analytic count (3x the forward
@@ -52,7 +53,8 @@ def test_tpu_dots_are_plain_bf16(programs, slice_name, program):
     found = programs[slice_name][program]
     assert found["dots"] > 20
     assert found["operand_types"] == {"bf16,bf16": found["dots"]}
-    assert found["accumulators"] == {"f32": found["dots"]}
+    assert set(found["accumulators"]) == {"f32", "bf16"}
+    assert sum(found["accumulators"].values()) == found["dots"]
     assert found["unit_contracted"] == 0 and found["two_row"] == 0
     # TPU's optimized program: its dots and convolutions read no float32 (a 0/1 one-hot may stay
     # pred, which the MXU reads as bf16). A decoding step's small products may become other ops.

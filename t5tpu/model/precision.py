@@ -20,11 +20,12 @@ canonicalizes), and a single-row lhs is duplicated to two rows in place (a new l
 instead can be canonicalized into a transposed bf16 dot that XLA:CPU cannot run at all).
 
 Those shapes are for XLA:CPU only: TPU and GPU get the plain dot (bf16 operands, float32
-accumulation), which their compilers lay out themselves; the duplicated row would double a
-decoding step's matmul work there. `cpu_shapes` decides, once per traced dot, from the platform
-the program is traced for (Partitioner.jit sets it from its mesh's devices: libtpu's
-compile-only devices of a slice count as TPU), else from jax's default backend. `sum_rows`
-makes the same choice for a sum over a leading axis, which XLA:CPU reduces slowly.
+accumulation, the result in the dtype asked for), which their compilers lay out themselves; the
+duplicated row would double a decoding step's matmul work there. `cpu_shapes` decides, once per
+traced dot, from the platform the program is traced for (Partitioner.jit sets it from its mesh's
+devices: libtpu's compile-only devices of a slice count as TPU), else from jax's default
+backend. `sum_rows` makes the same choice for a sum over a leading axis, which XLA:CPU
+reduces slowly.
 """
 
 from __future__ import annotations
@@ -109,12 +110,12 @@ def _check(spec: str) -> None:
 def _mixed(spec, out_dtype, dtypes, cpu, x, y):
     del dtypes
     x, y = x.astype(COMPUTE_DTYPE), y.astype(COMPUTE_DTYPE)
-    return contract(spec, x, y, cpu=cpu).astype(out_dtype)
+    return contract(spec, x, y, cpu=cpu, out_dtype=out_dtype)
 
 
 def _mixed_forward(spec, out_dtype, dtypes, cpu, x, y):
     x, y = x.astype(COMPUTE_DTYPE), y.astype(COMPUTE_DTYPE)
-    return contract(spec, x, y, cpu=cpu).astype(out_dtype), (x, y)
+    return contract(spec, x, y, cpu=cpu, out_dtype=out_dtype), (x, y)
 
 
 def _mixed_backward(spec, out_dtype, dtypes, cpu, saved, grad):
@@ -123,8 +124,8 @@ def _mixed_backward(spec, out_dtype, dtypes, cpu, saved, grad):
     x, y = saved
     sx, sy, out = _parse(spec)
     grad = grad.astype(COMPUTE_DTYPE)
-    dx = contract(f"{out},{sy}->{sx}", grad, y, cpu=cpu).astype(dtypes[0])
-    dy = contract(f"{out},{sx}->{sy}", grad, x, cpu=cpu).astype(dtypes[1])
+    dx = contract(f"{out},{sy}->{sx}", grad, y, cpu=cpu, out_dtype=dtypes[0])
+    dy = contract(f"{out},{sx}->{sy}", grad, x, cpu=cpu, out_dtype=dtypes[1])
     return dx, dy
 
 
@@ -135,12 +136,21 @@ def _trailing(dims: str, contracted: set[str]) -> bool:
     return bool(contracted) and set(dims[len(dims) - len(contracted) :]) == contracted
 
 
-def contract(spec: str, a: Array, b: Array, *, cpu: bool | None = None) -> Array:
-    """bf16 `a` and `b` contracted as `spec` says, accumulated and returned in float32; with
-    `cpu` (default: `cpu_shapes()`) in a form XLA:CPU keeps on its bf16 kernels (see the module
-    docstring)."""
+def contract(
+    spec: str, a: Array, b: Array, *, cpu: bool | None = None, out_dtype=jnp.float32
+) -> Array:
+    """bf16 `a` and `b` contracted as `spec` says, accumulated in float32, returned in
+    `out_dtype`; with `cpu` (default: `cpu_shapes()`) in a form XLA:CPU keeps on its bf16
+    kernels (see the module docstring). TPU and GPU dots return `out_dtype` themselves: their
+    matrix units accumulate in float32 either way, and a float32 result the backward pass keeps
+    is twice the memory (docs/memory_plan.md)."""
     if not (cpu_shapes() if cpu is None else cpu):
-        return jnp.einsum(spec, a, b, preferred_element_type=jnp.float32)
+        return jnp.einsum(spec, a, b, preferred_element_type=out_dtype)
+    return _cpu_contract(spec, a, b).astype(out_dtype)
+
+
+def _cpu_contract(spec: str, a: Array, b: Array) -> Array:
+    """The float32 product in XLA:CPU's shapes for bf16 kernels."""
     sa, sb, out = _parse(spec)
     contracted = (set(sa) & set(sb)) - set(out)
     if not _trailing(sa, contracted) and _trailing(sb, contracted):

@@ -60,7 +60,8 @@ class MemoryPlan:
     activations: int
     batch: int
     # Gradients the backward pass produces first (the output layer's and the embedding's),
-    # already live while the activations are largest.
+    # already live while the activations are largest on CPU. TPU's compiler computes them
+    # last, from the logits' gradient it keeps anyway (its buffer assignment; 0 there).
     first_gradients: int = 0
     compiler: str = TPU
     # The backward pass runs through the decoder first: when it is done, the decoder's
@@ -351,7 +352,9 @@ def plan_training(
     rows = placements(boxed, partitioner.rules, mesh)
     params = sum(p.bytes_per_device for p in rows)
     output_layers = ("token_embedder/embedding", "decoder/logits_dense/kernel")
-    first_gradients = sum(p.bytes_per_device for p in rows if p.name in output_layers)
+    first_gradients = 0
+    if compiler == CPU:
+        first_gradients = sum(p.bytes_per_device for p in rows if p.name in output_layers)
     decoder_gradients = sum(
         p.bytes_per_device
         for p in rows
