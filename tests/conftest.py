@@ -11,12 +11,8 @@ import collections
 import os
 import tempfile
 
-# transformers serves the tests as a PyTorch reference; with TensorFlow (and Keras 3) installed
-# it would also load its TensorFlow classes, which refuse Keras 3 (pipeline() imports them).
-os.environ.setdefault("USE_TF", "0")
-
-import gin  # noqa: E402
-import pytest  # noqa: E402
+import gin
+import pytest
 
 
 @pytest.fixture
