@@ -119,6 +119,11 @@ def choice(options: Collection | Mapping[object, str]) -> Rule:
     return Rule(lambda value: any(type(value) is type(o) and value == o for o in options), listed)
 
 
+def boolean() -> Rule:
+    """True or False (not 0, 1 or a string)."""
+    return Rule(lambda value: isinstance(value, bool), "True or False")
+
+
 def path() -> Rule:
     """A path as text: a non-empty str without a NUL (local or gs://)."""
     return Rule(

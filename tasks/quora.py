@@ -10,9 +10,12 @@ The same tasks over tensorflow-datasets' glue/qqp are named with a `_tfds` suffi
 directory is `qqp_tfds_data_dir.path`. Every source is mapped to the same fields (id, question1,
 question2, is_duplicate) first, so the preprocessors after that are shared.
 
-Registered by `register`, which t5tpu.tasks.register_builtin_tasks calls once gin is parsed.
-`is_duplicate` and `similar_question` ask a model trained on these tasks, in the tasks' words;
-`routes` offers the same questions to `t5tpu serve`.
+Questions are lower-cased and their double quotes dropped (`normalize_questions`) by
+`model_input`, the one function that makes a model input of a line in the tasks' words: training
+calls it, and so does every front end with a raw line (tasks/shaping.py). Registered by
+`register`, which t5tpu.tasks.register_builtin_tasks calls once gin is parsed. `is_duplicate`
+and `similar_question` ask a model trained on these tasks, in the tasks' words; `routes` offers
+the same questions to `t5tpu serve`.
 """
 
 from __future__ import annotations
@@ -158,9 +161,11 @@ def _pairs_source() -> seqio.DataSource:
 
 def _tfds_source() -> seqio.DataSource:
     # glue/qqp's test split has no labels (-1), so only train and validation are offered.
-    return seqio.TfdsDataSource(
+    source = seqio.TfdsDataSource(
         TFDS_NAME, tfds_data_dir=qqp_tfds_data_dir(), splits=quora_csv.SPLITS
     )
+    setattr(source, availability.DATA_DIR_BINDING, "qqp_tfds_data_dir.path")
+    return source
 
 
 def from_glue_features(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -181,41 +186,56 @@ def from_glue_features(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 
 @gin.configurable
-def normalize_questions(dataset: tf.data.Dataset, normalize: bool = True) -> tf.data.Dataset:
-    """Lower-cases the questions and removes double quotes, as the original recipe did.
+def normalize_questions(normalize: bool = True) -> bool:
+    """Whether the tasks lower-case the questions and remove double quotes, as the original
+    recipe did. Bind `normalize_questions.normalize = False` to train on the text as written
+    (both tasks); the run's record carries the choice to every front end."""
+    return normalize
 
-    Bind `normalize_questions.normalize = False` to train on the text as written (both tasks).
-    """
+
+def normalized(question: str) -> str:
+    """A question as the tasks normalize it: lower-cased, double quotes removed."""
+    return question.lower().replace('"', "")
+
+
+def is_duplicate_line(question1: str, question2: str) -> str:
+    """A pair in qp_is_duplicate's words, before normalization."""
+    return f"is duplicate: {question1} {SEPARATOR} {question2}"
+
+
+def similar_question_line(question: str) -> str:
+    """A question in generate_similar_question's words, before normalization."""
+    return f"generate similar question: {question}"
+
+
+def model_input(line: str, normalize: bool = True) -> str:
+    """The model input these tasks make of a line in their words ("is duplicate: Q1 <SEP> Q2",
+    "generate similar question: Q"): every question normalized, the separator kept. Training
+    makes its inputs with this very function, and so does every front end with a raw line."""
     if not normalize:
-        return dataset
-
-    def normalize_text(text: tf.Tensor) -> tf.Tensor:
-        return tf.strings.regex_replace(tf.strings.lower(text, encoding="utf-8"), '"', "")
-
-    def normalize_example(example: dict) -> dict:
-        return {
-            **example,
-            "question1": normalize_text(example["question1"]),
-            "question2": normalize_text(example["question2"]),
-        }
-
-    return dataset.map(normalize_example, num_parallel_calls=tf.data.AUTOTUNE)
+        return line
+    return SEPARATOR.join(normalized(part) for part in line.split(SEPARATOR))
 
 
 def format_is_duplicate(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """Turns a pair into text-to-text form; the id is kept to trace predictions back to pairs."""
+    """A pair in text-to-text form: model_input(is_duplicate_line(...)) -> "1" or "0"; the id
+    is kept to trace predictions back to pairs."""
+    normalize = normalize_questions()
+
+    def inputs(question1: str, question2: str) -> str:
+        return model_input(is_duplicate_line(question1, question2), normalize)
 
     def to_text(example: dict) -> dict:
-        inputs = tf.strings.join(
-            ["is duplicate:", example["question1"], SEPARATOR, example["question2"]], separator=" "
-        )
         return {
             "id": example["id"],
-            "inputs": inputs,
+            "inputs": example["inputs"],
             "targets": tf.strings.as_string(example["is_duplicate"]),
         }
 
-    return dataset.map(to_text, num_parallel_calls=tf.data.AUTOTUNE)
+    made = registry.with_python_text(
+        dataset, inputs, fields=("question1", "question2"), output="inputs"
+    )
+    return made.map(to_text, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def keep_duplicates(dataset: tf.data.Dataset) -> tf.data.Dataset:
@@ -224,13 +244,22 @@ def keep_duplicates(dataset: tf.data.Dataset) -> tf.data.Dataset:
 
 
 def format_similar_question(dataset: tf.data.Dataset) -> tf.data.Dataset:
-    """ "generate similar question: <question1>" -> question2, keeping the pair id."""
+    """model_input(similar_question_line(question1)) -> question2 (normalized alike), keeping
+    the pair id."""
+    normalize = normalize_questions()
 
-    def to_text(example: dict) -> dict:
-        inputs = tf.strings.join(["generate similar question:", example["question1"]], " ")
-        return {"id": example["id"], "inputs": inputs, "targets": example["question2"]}
+    def inputs(question: str) -> str:
+        return model_input(similar_question_line(question), normalize)
 
-    return dataset.map(to_text, num_parallel_calls=tf.data.AUTOTUNE)
+    def target(question: str) -> str:
+        return normalized(question) if normalize else question
+
+    made = registry.with_python_text(dataset, inputs, fields=("question1",), output="inputs")
+    made = registry.with_python_text(made, target, fields=("question2",), output="targets")
+    return made.map(
+        lambda ex: {"id": ex["id"], "inputs": ex["inputs"], "targets": ex["targets"]},
+        num_parallel_calls=tf.data.AUTOTUNE,
+    )
 
 
 def strip_output(output: str, example: dict | None = None, is_target: bool = False) -> str:
@@ -252,13 +281,13 @@ _FORMATTING = {
 
 
 def _add_task(name: str, source, first_steps: list, vocabulary: seqio.Vocabulary) -> seqio.Task:
-    """(Re-)registers one task: source -> first_steps -> normalize -> format -> tokenize."""
+    """(Re-)registers one task: source -> first_steps -> format (normalized) -> tokenize."""
     kind = name.removesuffix(TFDS_SUFFIX)
     return registry.add_text_task(
         name,
         source=source,
         vocabulary=vocabulary,
-        preprocessors=[*first_steps, normalize_questions, *_FORMATTING[kind]],
+        preprocessors=[*first_steps, *_FORMATTING[kind]],
         postprocess_fn=strip_output,
         metric_fns=METRICS[kind],
     )
@@ -268,6 +297,16 @@ def _add_mixture(name: str, suffix: str) -> seqio.Mixture:
     seqio.MixtureRegistry.remove(name)
     rates = [(task + suffix, rate) for task, rate in qp_all_rates().items()]
     return seqio.MixtureRegistry.add(name, rates)
+
+
+def tasks_of(name: str) -> tuple[str, ...] | None:
+    """The tasks a run of task or mixture `name` trains on, if `name` is one of these; read
+    from the names alone (nothing registered)."""
+    suffix = TFDS_SUFFIX if name.endswith(TFDS_SUFFIX) else ""
+    kind = name.removesuffix(suffix)
+    if kind == MIXTURE_NAME:
+        return tuple(task + suffix for task in (TASK_NAME, SIMILAR_TASK_NAME))
+    return (name,) if kind in (TASK_NAME, SIMILAR_TASK_NAME) else None
 
 
 def register(vocabulary: seqio.Vocabulary) -> list[str]:
@@ -288,35 +327,8 @@ def register(vocabulary: seqio.Vocabulary) -> list[str]:
 
 
 # --- asking a trained model ------------------------------------------------------------------
-# Prompts are made by the registered task's own preprocessors, so a model is asked exactly as
-# it was trained (lower-cased or not, as `normalize_questions.normalize` is bound in gin).
-
-
-def is_duplicate_prompt(question1: str, question2: str) -> str:
-    """The qp_is_duplicate input for a pair of questions."""
-    return registry.preprocessed_input(
-        TASK_NAME,
-        {
-            "id": tf.constant(0, tf.int64),
-            "question1": question1,
-            "question2": question2,
-            "is_duplicate": tf.constant(0, tf.int64),
-        },
-    )
-
-
-def similar_question_prompt(question: str) -> str:
-    """The generate_similar_question input for a question."""
-    # The task keeps duplicate pairs only: the placeholder pair is marked as one.
-    return registry.preprocessed_input(
-        SIMILAR_TASK_NAME,
-        {
-            "id": tf.constant(0, tf.int64),
-            "question1": question,
-            "question2": question,
-            "is_duplicate": tf.constant(1, tf.int64),
-        },
-    )
+# The routes put the questions in the tasks' words; the model normalizes them as its run did
+# (model_input, with the run's normalize_questions, as it shapes every raw input).
 
 
 def _is_positive(prediction: str) -> bool:
@@ -326,16 +338,18 @@ def _is_positive(prediction: str) -> bool:
 IS_DUPLICATE = serving.Route(
     name="is_duplicate",
     task=TASK_NAME,
+    aliases=(TASK_NAME + TFDS_SUFFIX,),
     fields=(serving.Field("question1"), serving.Field("question2")),
-    prompt=is_duplicate_prompt,
+    prompt=is_duplicate_line,
     respond=_is_positive,
     decoding={"max_length": 4},  # "1" or "0" and EOS
 )
 SIMILAR_QUESTION = serving.Route(
     name="similar_question",
     task=SIMILAR_TASK_NAME,
+    aliases=(SIMILAR_TASK_NAME + TFDS_SUFFIX,),
     fields=(serving.Field("question"),),
-    prompt=similar_question_prompt,
+    prompt=similar_question_line,
 )
 
 
@@ -345,12 +359,19 @@ def routes() -> tuple[serving.Route, ...]:
     return (IS_DUPLICATE, SIMILAR_QUESTION)
 
 
-def is_duplicate(model: registry.TextModel, question1: str, question2: str) -> bool:
-    """Whether a model trained on qp_is_duplicate takes the two questions to ask the same thing."""
-    return IS_DUPLICATE.ask(model, {"question1": question1, "question2": question2})
+def is_duplicate(
+    model: registry.TextModel, question1: str, question2: str, *, check_task: bool = True
+) -> bool:
+    """Whether a model trained on qp_is_duplicate takes the two questions to ask the same thing
+    (a model trained on another task is refused unless check_task=False)."""
+    values = {"question1": question1, "question2": question2}
+    return IS_DUPLICATE.ask(model, values, check_task=check_task)
 
 
-def similar_question(model: registry.TextModel, question: str, **decoding_settings) -> str:
+def similar_question(
+    model: registry.TextModel, question: str, *, check_task: bool = True, **decoding_settings
+) -> str:
     """A question like `question`, from a model trained on generate_similar_question;
     decoding_settings are T5Model.predict's (num_beams, temperature, ...)."""
-    return SIMILAR_QUESTION.ask(model, {"question": question}, **decoding_settings)
+    values = {"question": question}
+    return SIMILAR_QUESTION.ask(model, values, check_task=check_task, **decoding_settings)

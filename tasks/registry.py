@@ -6,7 +6,10 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Protocol
+
+import numpy as np
 
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
@@ -14,7 +17,11 @@ from t5tpu.runtime.lazy_imports import seqio, tf
 
 class TextModel(Protocol):
     """What the tasks' helpers ask of a model (t5tpu.api's T5Model, which this layer does not
-    import): output text for each input text."""
+    import): output text for each input text, shaped as its run shaped its training inputs; the
+    tasks it was trained on (its run record's; () when unknown) and where it was loaded from."""
+
+    tasks: tuple[str, ...]
+    source: str
 
     def predict(self, inputs: list[str], **decoding_settings) -> list[str]: ...
 
@@ -83,11 +90,40 @@ def get_task(name: str, module: str | None = None) -> seqio.Task | seqio.Mixture
         ) from None
 
 
-def preprocessed_input(task_name: str, example: dict) -> str:
-    """The model input that registered task `task_name` makes of one raw `example`, so the
-    tasks' helpers ask a model exactly as it saw inputs in training (seqio keeps the text before
-    tokenizing as "inputs_pretokenized")."""
-    task = get_task(task_name)
-    dataset = task.preprocess_precache(tf.data.Dataset.from_tensors(example))
-    (processed,) = list(dataset.as_numpy_iterator())
-    return processed["inputs_pretokenized"].decode("utf-8")
+def python_text(fn: Callable[..., str], *texts: tf.Tensor) -> tf.Tensor:
+    """`fn` (strings in, a string out) on scalar string tensors, inside a tf.data map: a task
+    makes its training inputs with the same Python function that every front end calls on a raw
+    input, so the two cannot drift apart. Stateless, so an input stream holding it can still save
+    its position with a checkpoint."""
+
+    def call(*values: bytes) -> bytes:
+        return fn(*(value.decode("utf-8") for value in values)).encode("utf-8")
+
+    return tf.ensure_shape(tf.numpy_function(call, list(texts), tf.string, stateful=False), [])
+
+
+def with_python_text(
+    dataset: tf.data.Dataset,
+    fn: Callable[..., str],
+    *,
+    fields: tuple[str, ...],
+    output: str,
+    batch: int = 256,
+) -> tf.data.Dataset:
+    """Each example with `output` = fn(*its `fields`' texts), as python_text makes it, but one
+    Python call for `batch` examples: tf.data's threads would otherwise take turns at Python's
+    lock an example at a time. The examples' features must be scalars (they are batched)."""
+
+    def call(*columns) -> np.ndarray:
+        rows = zip(*(column.tolist() for column in columns), strict=True)
+        made = [fn(*(value.decode("utf-8") for value in row)).encode("utf-8") for row in rows]
+        return np.array(made, dtype=object)
+
+    def add(examples: dict) -> dict:
+        made = tf.numpy_function(
+            call, [examples[field] for field in fields], tf.string, stateful=False
+        )
+        return {**examples, output: tf.ensure_shape(made, examples[fields[0]].shape)}
+
+    batched = dataset.batch(batch).map(add, num_parallel_calls=tf.data.AUTOTUNE)
+    return batched.unbatch()

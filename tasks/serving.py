@@ -2,11 +2,13 @@
 knowing any task.
 
 A Route is `POST /v1/<name>`: each instance is an object of the route's fields; `prompt` turns
-them into the task's input text, as the task's preprocessing does; the model's decoded text
-becomes the answer's value through `respond`, answered as `{name: value}`. A name that several
-tasks offer takes the parameter "task" to choose one (the first offered is the default). A
-route named PREDICT takes the one field INPUT: it formats /v1/predict's and /v1/score's input
-when a request names its task.
+them into the task's input text, which the model shapes as its run shaped its training inputs;
+the model's decoded text becomes the answer's value through `respond`, answered as `{name:
+value}`. A route asks models trained on its task: another model is refused (check_task=False,
+or the parameter "check_task": false, insists). A name that several tasks offer takes the
+parameter "task" to choose one (default: the one the model was trained on, else the first
+offered). A route named PREDICT takes the one field INPUT: it formats /v1/predict's and
+/v1/score's input when a request names its task.
 
 The built-in task modules declare theirs in `routes()`, next to `register`; a user's module
 (MIXTURE_OR_TASK_MODULE) calls `add_routes` when it is imported.
@@ -19,6 +21,8 @@ import re
 from collections.abc import Callable, Mapping
 
 from t5tpu.tasks.registry import TextModel
+
+from t5tpu.errors import UserError
 
 PREDICT = "predict"
 INPUT = "input"
@@ -49,8 +53,11 @@ def _as_text(output: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """`POST /v1/<name>`, offered by seqio task `task`. `decoding` fixes settings (e.g.
-    max_length) and then the route takes no decoding parameters; None takes the request's."""
+    """`POST /v1/<name>`, offered by seqio task `task` (and the same task over other sources,
+    `aliases`): it asks models trained on one of them. `prompt` puts the fields in the task's
+    words; the model then shapes that text as its run shaped its training inputs (a Quora
+    model lower-cases it). `decoding` fixes settings (e.g. max_length) and then the route takes
+    no decoding parameters; None takes the request's."""
 
     name: str
     task: str
@@ -58,6 +65,7 @@ class Route:
     prompt: Callable[..., str]  # the fields' values as keyword arguments -> the input text
     respond: Callable[[str], object] = _as_text  # the decoded text -> the answer's value
     decoding: Mapping[str, object] | None = None
+    aliases: tuple[str, ...] = ()
 
     def __post_init__(self):
         if not _NAME.fullmatch(self.name) or self.name in _RESERVED:
@@ -65,11 +73,46 @@ class Route:
         if self.name == PREDICT and [f.name for f in self.fields] != [INPUT]:
             raise ValueError(f"a {PREDICT!r} route takes one field, {INPUT!r}")
 
-    def ask(self, model: TextModel, values: Mapping[str, object], **decoding_settings):
+    def serves(self, task: str) -> bool:
+        return task in (self.task, *self.aliases)
+
+    def mismatch(self, model_tasks: tuple[str, ...]) -> str | None:
+        """Why a model trained on `model_tasks` (() when unknown: not refused) is not one this
+        route asks, else None."""
+        if not model_tasks or any(self.serves(task) for task in model_tasks):
+            return None
+        return (
+            f"the model was trained on {', '.join(model_tasks)}, not {self.task}: its answer to "
+            f"a {self.name} question would not mean one"
+        )
+
+    def ask(
+        self,
+        model: TextModel,
+        values: Mapping[str, object],
+        *,
+        check_task: bool = True,
+        **decoding_settings,
+    ):
         """The answer of `model` (T5Model.predict's decoding settings) to one instance, as the
-        server gives it."""
+        server gives it; a model of another task is refused unless `check_task` is False."""
+        problem = check_task and self.mismatch(tuple(getattr(model, "tasks", ())))
+        if problem:
+            raise UserError(f"{model.source}: {problem}; pass check_task=False to ask it anyway")
         settings = {**decoding_settings, **(self.decoding or {})}
         return self.respond(model.predict([self.prompt(**values)], **settings)[0])
+
+
+def chosen(routes: tuple[Route, ...], task: str | None, model_tasks: tuple[str, ...]) -> Route:
+    """The route of `task` among routes of one name; without `task`, the one the model was
+    trained on, else the first (the default). `task` must be one they offer."""
+    if task is not None:
+        named = [route for route in routes if route.task == task]
+        if not named:
+            raise ValueError(f"task {task!r} is not one of {[route.task for route in routes]}")
+        return named[0]
+    trained = [route for route in routes if any(route.serves(t) for t in model_tasks)]
+    return (trained or list(routes))[0]
 
 
 def placeholder(field: Field) -> object:

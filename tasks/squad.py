@@ -18,6 +18,7 @@ import gin
 from t5tpu.tasks import registry, serving, squad_metrics
 
 from t5tpu import validators
+from t5tpu.data import availability
 from t5tpu.errors import UserError
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import remote, user_files
@@ -200,9 +201,11 @@ def _setting(task_name: str, split: str) -> str:
 def _source(task_name, train_file, validation_file, tfds_data_dir) -> seqio.DataSource:
     if train_file or validation_file:
         return _json_source(task_name, {"train": train_file, "validation": validation_file})
-    return seqio.TfdsDataSource(
+    source = seqio.TfdsDataSource(
         tfds_name=TFDS_NAMES[task_name], tfds_data_dir=tfds_data_dir, splits=SPLITS
     )
+    setattr(source, availability.DATA_DIR_BINDING, f"{task_name}_source.tfds_data_dir")
+    return source
 
 
 @gin.configurable
@@ -228,20 +231,23 @@ def squad_v2_source(
 # --- preprocessing and postprocessing -------------------------------------------------------
 
 
+def answer_line(question: str, context: str) -> str:
+    """T5's SQuAD input: "question: <question> context: <context>". Training makes its inputs
+    with this function, and so do `answer` and /v1/answer."""
+    return f"question: {question} context: {context}"
+
+
 def format_question_context(dataset: tf.data.Dataset) -> tf.data.Dataset:
     """tfds squad features -> {"inputs", "targets", "answers", "id", "question", "context"}."""
 
     def to_text(example: dict) -> dict:
         answers = example["answers"]["text"]
         target = tf.cond(tf.size(answers) > 0, lambda: answers[0], lambda: tf.constant(NO_ANSWER))
-        inputs = tf.strings.join(
-            ["question: ", example["question"], " context: ", example["context"]]
-        )
         return {
             "id": example["id"],
             "question": example["question"],
             "context": example["context"],
-            "inputs": inputs,
+            "inputs": registry.python_text(answer_line, example["question"], example["context"]),
             "targets": target,
             "answers": answers,
         }
@@ -295,28 +301,12 @@ def register(vocabulary: seqio.Vocabulary) -> list[seqio.Task]:
 # --- asking a trained model -----------------------------------------------------------------
 
 
-def answer_prompt(question: str, context: str, *, task: str = V1_TASK) -> str:
-    """The input that `task` (squad_v1 or squad_v2) makes of a question and its context."""
-    return registry.preprocessed_input(
-        task,
-        {
-            "id": "",
-            "title": "",
-            "question": question,
-            "context": context,
-            # Only the target is made from the answers: a placeholder answer (an empty list has
-            # a static shape the format step cannot index in graph mode).
-            "answers": {"text": tf.constant([""]), "answer_start": tf.constant([0], tf.int32)},
-        },
-    )
-
-
 def _route(task: str, postprocess_fn) -> serving.Route:
     return serving.Route(
         name="answer",
         task=task,
         fields=(serving.Field("question"), serving.Field("context")),
-        prompt=functools.partial(answer_prompt, task=task),
+        prompt=answer_line,
         respond=postprocess_fn,
     )
 
@@ -325,8 +315,8 @@ ANSWER = {V1_TASK: _route(V1_TASK, postprocess_v1), V2_TASK: _route(V2_TASK, pos
 
 
 def routes() -> tuple[serving.Route, ...]:
-    """What `t5tpu serve` offers: POST /v1/answer, in squad_v1's words unless a request's
-    parameter "task" says squad_v2."""
+    """What `t5tpu serve` offers: POST /v1/answer, in the words of the SQuAD task the model was
+    trained on (squad_v1 when it does not say) unless a request's parameter "task" names one."""
     return tuple(ANSWER.values())
 
 
@@ -335,12 +325,16 @@ def answer(
     question: str,
     context: str,
     *,
-    task: str = V1_TASK,
+    task: str | None = None,
+    check_task: bool = True,
     **decoding_settings,
 ) -> str:
     """A SQuAD-trained model's answer ("" when a squad_v2 model finds none in the context);
-    decoding_settings are T5Model.predict's (num_beams, max_length, ...)."""
-    if task not in ANSWER:
+    `task`: squad_v1 or squad_v2, default the one the model was trained on (a model of another
+    task is refused unless check_task=False); decoding_settings are T5Model.predict's
+    (num_beams, max_length, ...)."""
+    if task is not None and task not in ANSWER:
         raise UserError(f"task={task!r}: answer takes {' or '.join(ANSWER)}")
+    route = serving.chosen(tuple(ANSWER.values()), task, model.tasks)
     values = {"question": question, "context": context}
-    return ANSWER[task].ask(model, values, **decoding_settings)
+    return route.ask(model, values, check_task=check_task, **decoding_settings)

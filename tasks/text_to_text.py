@@ -128,24 +128,22 @@ def _check_rows(rows: text_files.Rows, task: TextTask, setting: str, paths: list
         raise UserError(f"{setting}: no examples in {', '.join(paths)}")
 
 
-def _source(rows_by_split: dict[str, text_files.Rows]) -> seqio.FunctionDataSource:
+def model_input(text: str, prefix: str) -> str:
+    """The model input this task makes of an input: INPUT_PREFIX before it. Training makes its
+    inputs with this function, and every front end with a raw input of a model trained on this
+    task (tasks/shaping.py), so both are shaped alike."""
+    return prefix + text
+
+
+def _source(rows_by_split: dict[str, text_files.Rows], prefix: str) -> seqio.FunctionDataSource:
     def dataset(split: str, shuffle_files: bool, seed: int | None = None) -> tf.data.Dataset:
         del shuffle_files, seed  # the rows are in memory; the Task shuffles examples itself
         rows = rows_by_split[split]
-        return tf.data.Dataset.from_tensor_slices({"inputs": rows.inputs, "targets": rows.targets})
+        inputs = [model_input(text, prefix) for text in rows.inputs]
+        return tf.data.Dataset.from_tensor_slices({"inputs": inputs, "targets": rows.targets})
 
     counts = {split: len(rows.inputs) for split, rows in rows_by_split.items()}
     return seqio.FunctionDataSource(dataset, splits=list(counts), num_input_examples=counts)
-
-
-def _prefixed(prefix: str):
-    def add_prefix(dataset: tf.data.Dataset) -> tf.data.Dataset:
-        def add(example: dict) -> dict:
-            return {**example, "inputs": tf.strings.join([prefix, example["inputs"]])}
-
-        return dataset.map(add, num_parallel_calls=tf.data.AUTOTUNE)
-
-    return add_prefix
 
 
 def strip_output(output: str, example: dict | None = None, is_target: bool = False) -> str:
@@ -161,36 +159,16 @@ def register(vocabulary: seqio.Vocabulary) -> list[str]:
     rows = {split: _split_rows(task, split) for split in task.files}
     registry.add_text_task(
         task.name,
-        source=_source(rows),
+        source=_source(rows, task.input_prefix),
         vocabulary=vocabulary,
-        preprocessors=[_prefixed(task.input_prefix)],
+        preprocessors=[],
         postprocess_fn=strip_output,
         metric_fns=[METRICS[name] for name in task.metric_names],
     )
     return [task.name]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Prompt:
-    """INPUT_PREFIX before the input, as the task's preprocessing puts it."""
-
-    prefix: str
-
-    def __call__(self, **values: str) -> str:
-        return self.prefix + values[serving.INPUT]
-
-
 def routes() -> tuple[serving.Route, ...]:
-    """The gin-described task's input format and post-processing, which /v1/predict and
-    /v1/score apply when a request names the task; () when no files are bound. Reads no file."""
-    task = text_to_text()
-    if task is None:
-        return ()
-    route = serving.Route(
-        name=serving.PREDICT,
-        task=task.name,
-        fields=(serving.Field(serving.INPUT),),
-        prompt=_Prompt(task.input_prefix),
-        respond=strip_output,
-    )
-    return (route,)
+    """None: /v1/predict and /v1/score put INPUT_PREFIX before a model's inputs when the model's
+    run trained on this task, from its run record (tasks/shaping.py), with no route."""
+    return ()

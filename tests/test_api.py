@@ -231,27 +231,31 @@ def test_a_deleted_model_frees_its_parameters(model_dir):
 
 
 @pytest.mark.slow
-def test_task_helpers_use_the_tasks_own_preprocessing(model):
-    # Quora's tasks lower-case and drop double quotes before formatting, as in training.
-    assert quora.is_duplicate_prompt('How do I "Learn" X?', "Why Y?") == (
-        "is duplicate: how do i learn x? <SEP> why y?"
-    )
-    assert quora.similar_question_prompt("How Do I Cook?") == (
-        "generate similar question: how do i cook?"
-    )
-    assert squad.answer_prompt("Who?", "Ada did.") == "question: Who? context: Ada did."
+def test_inputs_are_shaped_as_the_run_trained_and_the_helpers_ask_so(model):
+    # Quora's tasks lower-case and drop double quotes, in training and at every front end.
+    raw = 'is duplicate: How do I "Learn" X? <SEP> Why Y?'
+    assert model.model_inputs([raw]) == ["is duplicate: how do i learn x? <SEP> why y?"]
+    assert model.model_inputs([raw], exact_inputs=True) == [raw]
+    assert model.tasks == ("qp_is_duplicate",)
+    shaped = model.model_inputs([raw])
+    assert model.predict([raw]) == model.predict(shaped, exact_inputs=True)
     pair = ("How do I cook rice?", "How to cook rice?")
-    [expected] = model.predict([quora.is_duplicate_prompt(*pair)])
+    [expected] = model.predict([quora.is_duplicate_line(*pair)])
     assert quora.is_duplicate(model, *pair) == (expected.strip() == "1")
-    [paraphrase] = model.predict([quora.similar_question_prompt("How?")], num_beams=2)
-    assert quora.similar_question(model, "How?", num_beams=2) == paraphrase
+    with pytest.raises(UserError, match="trained on qp_is_duplicate, not generate_similar"):
+        quora.similar_question(model, "How?")
+    [paraphrase] = model.predict([quora.similar_question_line("How?")], num_beams=2)
+    assert quora.similar_question(model, "How?", num_beams=2, check_task=False) == paraphrase
 
 
 class _Says:
-    """A model that answers every input with one text, and records what it was asked."""
+    """A model that answers every input with one text, and records what it was asked; trained
+    on `tasks` (() : it does not say)."""
 
-    def __init__(self, text: str):
-        self.text, self.asked = text, []
+    source = "a stand-in"
+
+    def __init__(self, text: str, tasks: tuple[str, ...] = ()):
+        self.text, self.asked, self.tasks = text, [], tasks
 
     def predict(self, inputs: list[str], **decoding_settings) -> list[str]:
         self.asked.append((inputs, decoding_settings))
@@ -264,17 +268,38 @@ def test_squad_answer_post_processes_as_its_task():
     assert squad.answer(model, "Who?", "Ada did.", task=squad.V2_TASK, num_beams=3) == ""
     assert model.asked == [(["question: Who? context: Ada did."], {"num_beams": 3})]
     assert squad.answer(model, "Who?", "Ada did.") == "unanswerable"
+    # Without `task`, the SQuAD task the model was trained on.
+    assert squad.answer(_Says(" unanswerable ", (squad.V2_TASK,)), "Who?", "Ada did.") == ""
 
 
 def test_quora_helpers_ask_as_their_routes_declare():
-    # is_duplicate decodes at most 4 tokens ("1" or "0" and EOS) and answers a boolean.
-    model = _Says(" 1 ")
+    # is_duplicate decodes at most 4 tokens ("1" or "0" and EOS) and answers a boolean; the
+    # model shapes the line as its run did (T5Model lower-cases it for a Quora run).
+    model = _Says(" 1 ", ("qp_is_duplicate", "generate_similar_question"))
     assert quora.is_duplicate(model, "A?", "B?") is True
-    assert model.asked == [(["is duplicate: a? <SEP> b?"], {"max_length": 4})]
+    assert model.asked == [(["is duplicate: A? <SEP> B?"], {"max_length": 4})]
     assert quora.similar_question(model, "A?", temperature=0.5) == " 1 "
-    assert model.asked[1] == (["generate similar question: a?"], {"temperature": 0.5})
+    assert model.asked[1] == (["generate similar question: A?"], {"temperature": 0.5})
     with pytest.raises(UserError, match="squad_v1 or squad_v2"):
         squad.answer(model, "Who?", "Ada did.", task="squad_v3")
+
+
+def test_task_helpers_refuse_a_model_of_another_task_unless_told():
+    squad_model = _Says("0", (squad.V1_TASK,))
+    with pytest.raises(UserError) as refused:
+        quora.is_duplicate(squad_model, "A?", "B?")
+    assert str(refused.value) == (
+        "a stand-in: the model was trained on squad_v1, not qp_is_duplicate: its answer to a "
+        "is_duplicate question would not mean one; pass check_task=False to ask it anyway"
+    )
+    assert squad_model.asked == []  # refused before the model is asked
+    assert quora.is_duplicate(squad_model, "A?", "B?", check_task=False) is False
+    text_model = _Says("letter", ("text_to_text",))
+    with pytest.raises(UserError, match="trained on text_to_text, not squad_v1"):
+        squad.answer(text_model, "Who?", "Ada did.")
+    assert squad.answer(text_model, "Who?", "Ada did.", check_task=False) == "letter"
+    # The _tfds tasks are the same tasks over another source.
+    assert quora.is_duplicate(_Says("1", ("qp_is_duplicate_tfds",)), "A?", "B?") is True
 
 
 @pytest.mark.slow

@@ -126,7 +126,7 @@ def test_every_module_file_name_is_unique():
 
 # --- the server names no task -----------------------------------------------------------------
 # The tasks' modules that the server may name: the registry and the serving spec it mounts.
-GENERIC_TASK_MODULES = {"__init__", "registry", "serving", "metrics"}
+GENERIC_TASK_MODULES = {"__init__", "registry", "serving", "shaping", "metrics"}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -4,6 +4,7 @@ without --overwrite."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -167,9 +168,35 @@ def test_train_fine_tunes_from_the_converted_checkpoint(hf_dir, converted, tmp_p
         assert (output / name).read_bytes() == original, name
     exported = json.loads((output / "config.json").read_text())
     original = json.loads(pathlib.Path(hf_dir[0], "config.json").read_text())
-    # The run's DROPOUT_RATE (finetune.gin's 0.1) goes with it; everything else is unchanged.
+    # The run's DROPOUT_RATE (finetune.gin's 0.1) and its run record go with it; everything
+    # else is unchanged. The record: the Quora task's, 32/4 tokens, greedy.
     assert (exported.pop("dropout_rate"), original.pop("dropout_rate")) == (0.1, 0.0)
+    assert exported.pop("t5tpu_run")["lengths"] == {"inputs": 32, "targets": 4}
+    greedy = {"max_new_tokens": 4, "num_beams": 1, "do_sample": False}
+    assert exported.pop("task_specific_params") == {"text2text-generation": greedy}
     assert exported == original
+    assert "warning" not in run.stderr  # the bundled vocabulary's 1,024 rows: no mismatch
+
+
+def test_a_pretrained_embedding_of_another_vocabulary_is_warned_about(capsys):
+    """A T5X checkpoint converted (32,128 rows) fine-tuned with the bundled 1,024 pieces."""
+
+    class Model:
+        config = T5Config(vocab_size=32128)
+        vocabulary = vocab.default_vocabulary()
+
+    start = train.StartPoint(None, initial_checkpoint=object(), input_start_step=0, last_step=1)
+    train._warn_unused_rows(Model(), start)
+    assert capsys.readouterr().err == (
+        "t5tpu: warning: INITIAL_CHECKPOINT_PATH's embedding has 32,128 rows but the vocabulary "
+        "bound here has 1,024 ids: the pretrained rows belong to another vocabulary's pieces; "
+        "bind the checkpoint's own (default_vocabulary.sentencepiece_model_file) unless you "
+        "mean to train new embeddings\n"
+    )
+    Model.config = T5Config(vocab_size=1024)  # a multiple of 128 already: no mismatch
+    train._warn_unused_rows(Model(), start)
+    train._warn_unused_rows(Model(), dataclasses.replace(start, initial_checkpoint=None))
+    assert capsys.readouterr().err == ""
 
 
 def test_export_to_hf_gives_back_the_same_directory(hf_dir, converted, tmp_path):

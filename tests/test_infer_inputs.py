@@ -20,6 +20,8 @@ from t5tpu.model.decoding import DecodingSettings
 from t5tpu.runners import infer as infer_runner
 from t5tpu.runners import infer_chunks, infer_inputs
 from t5tpu.runners.prediction_files import file_name, own_file
+from t5tpu.storage import run_record
+from t5tpu.storage.run_record import InputShaping
 
 RUNS = package_files.configs_dir("runs")
 STEPS = TRAINED_TINY_STEPS
@@ -201,6 +203,13 @@ class _CharVocabulary:
         return [ord(c) for c in text]
 
 
+class _SmallModel:
+    """What infer's settings check reads of a model: its vocabulary's size."""
+
+    class config:  # noqa: N801 - an attribute, as EncoderDecoderModel's
+        vocab_size = 100
+
+
 @pytest.mark.parametrize(
     "data, line",
     [(b"ok\n\xff\xfe binary\n", 2), (b"one\ntwo\n\nfour\x00\n", 4), (b"\xff\xfeh\x00i\x00", 1)],
@@ -250,31 +259,49 @@ def test_the_fingerprint_follows_the_inputs_and_their_count(tmp_path):
     assert infer_inputs.from_files(str(path), None).fingerprint != first
 
 
+def _char_inputs(input_length: int, shaping: InputShaping | None = None, exact: bool = False):
+    """infer's texts -> model inputs, with one id per character."""
+    shaping = shaping or InputShaping()
+    return infer_runner._Inputs(_CharVocabulary(), input_length, 4, shaping, exact=exact)
+
+
 def test_inputs_longer_than_the_input_length_are_truncated_and_marked():
     texts = [infer_inputs.Record("x" * n, f"INFER_INPUTS[{i}]") for i, n in enumerate((7, 8, 3))]
-    examples = [infer_runner._encoded(r, _CharVocabulary(), 8) for r in texts]
+    examples = [_char_inputs(8).example(r) for r in texts]
     assert [len(ex.ids) for ex in examples] == [8, 8, 4]  # 7 + EOS fits in 8; 8 + EOS does not
     assert all(ex.ids[-1] == 1 for ex in examples)
     assert [ex.overlong for ex in examples] == [False, True, False]
 
 
+def test_inputs_are_shaped_before_they_are_cut_unless_exact():
+    """The run's prefix counts against the input length, as it did in training."""
+    prefix = InputShaping(run_record.PREFIX, prefix="ab: ")
+    record = infer_inputs.Record("xxxx", "INFER_INPUTS[0]")
+    shaped = _char_inputs(8, prefix).example(record)
+    assert (shaped.model_input, len(shaped.ids), shaped.overlong) == ("ab: xxxx", 8, True)
+    exact = _char_inputs(8, prefix, exact=True).example(record)
+    assert (exact.model_input, len(exact.ids), exact.overlong) == ("xxxx", 5, False)
+    assert not _char_inputs(8, prefix, exact=True).shown and _char_inputs(8, prefix).shown
+
+
 def test_truncation_error_names_the_first_overlong_input_before_any_work():
     source = infer_inputs.from_texts(["x" * 3, "x" * 20, "x" * 9], None)
     with pytest.raises(UserError, match=re.escape("2 of 3 inputs are longer than 8 tokens")):
-        infer_runner._refuse_overlong("error", source, _CharVocabulary(), 8)
+        infer_runner._refuse_overlong("error", source, _char_inputs(8))
     with pytest.raises(UserError, match=re.escape("the first on INFER_INPUTS[1]")):
-        infer_runner._refuse_overlong("error", source, _CharVocabulary(), 8)
-    infer_runner._refuse_overlong(
-        "error", infer_inputs.from_texts(["x"], None), _CharVocabulary(), 8
-    )
-    infer_runner._refuse_overlong("warn", source, _CharVocabulary(), 8)  # truncated when decoded
+        infer_runner._refuse_overlong("error", source, _char_inputs(8))
+    infer_runner._refuse_overlong("error", infer_inputs.from_texts(["x"], None), _char_inputs(8))
+    infer_runner._refuse_overlong("warn", source, _char_inputs(8))  # truncated when decoded
 
 
 def test_infer_truncation_takes_warn_or_error():
     chunks = infer_chunks.Assignment(chunk_size=8)
-    infer_runner._check_settings(None, "warn", chunks)
+    model = _SmallModel()
+    infer_runner._check_settings(DecodingSettings(), model, None, "warn", chunks, False)
     with pytest.raises(UserError, match="INFER_TRUNCATION = 'cut' must be 'warn'"):
-        infer_runner._check_settings(None, "cut", chunks)
+        infer_runner._check_settings(DecodingSettings(), model, None, "cut", chunks, False)
+    with pytest.raises(UserError, match="INFER_EXACT_INPUTS = 1 must be True or False"):
+        infer_runner._check_settings(DecodingSettings(), model, None, "warn", chunks, 1)
 
 
 def without_predictions(rows):

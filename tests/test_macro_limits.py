@@ -23,8 +23,9 @@ BAD = {
     "TOP_K = -1": "TOP_K = -1 must be a whole number >= 0",
     "KEEP_CHECKPOINTS = 0": "KEEP_CHECKPOINTS = 0 must be None or a whole number >= 1",
     "TASK_FEATURE_LENGTHS = {'inputs': 0, 'targets': 4}": "TASK_FEATURE_LENGTHS = {'inputs': 0",
-    "TASK_FEATURE_LENGTHS = {}": "must be a dict of feature lengths >= 1",
-    "TASK_FEATURE_LENGTHS = 512": "must be a dict of feature lengths >= 1",
+    "TASK_FEATURE_LENGTHS = {}": "must be None or a dict of feature lengths >= 1",
+    "TASK_FEATURE_LENGTHS = 512": "must be None or a dict of feature lengths >= 1",
+    "INFER_EXACT_INPUTS = 1": "must be True or False",
     "MODEL_DIR = ''": "MODEL_DIR = '' must be None or a path (a non-empty string), e.g. --gin.MO",
     "INFER_INPUT_FILE = 5": "INFER_INPUT_FILE = 5 must be None or a path",
 }

@@ -343,3 +343,23 @@ def test_generation_metrics_on_real_validation_targets(task):
     copies = [ex["inputs_pretokenized"].decode().split(": ", 1)[1] for ex in examples]
     assert metrics.exact_match(targets, copies) == {"exact_match": 0.0}
     assert 0.0 < metrics.bleu(targets, copies)["bleu"] < 100.0
+
+
+def test_training_inputs_are_what_every_front_end_makes_of_the_raw_lines(task):
+    """The tasks make each input with the model_input that t5tpu infer, t5tpu.load and serve
+    call on a raw line (tasks/shaping.py): the same text for every pair of the sample."""
+    from t5tpu.tasks import shaping
+
+    from t5tpu.storage import run_record
+
+    recorded = shaping.for_task(quora.MIXTURE_NAME)
+    assert recorded == run_record.InputShaping(run_record.QUORA, normalize=True)
+    pairs = {int(p["id"]): p for p in _sample("validation")}
+    made = {int(ex["id"]): ex["inputs_pretokenized"].decode() for ex in _examples(quora.TASK_NAME)}
+    raw = {i: quora.is_duplicate_line(p["question1"], p["question2"]) for i, p in pairs.items()}
+    assert made == {i: shaping.shape(recorded, line) for i, line in raw.items()}
+    assert sum(made[i] != raw[i] for i in made) > 50  # most pairs are capitalised as written
+    similar = _examples(quora.SIMILAR_TASK_NAME, lengths={"inputs": 64, "targets": 64})
+    for ex in similar:
+        line = quora.similar_question_line(pairs[int(ex["id"])]["question1"])
+        assert ex["inputs_pretokenized"].decode() == shaping.shape(recorded, line)

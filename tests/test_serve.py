@@ -30,10 +30,12 @@ import time
 
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, succeeded, t5tpu
+from t5tpu.tasks import quora
 
 from t5tpu.model import engine
 from t5tpu.serve import app, batcher, model_worker, server
 from t5tpu.serve.payloads import Decoding
+from t5tpu.storage import run_record
 
 # Inputs of several lengths (so several input buckets), one longer than the tiny experiment's
 # 96 input tokens (truncated, with a warning, as `t5tpu infer` truncates it).
@@ -244,15 +246,17 @@ def test_task_routes_and_score_give_what_the_python_api_gives(served, api_model)
     assert answer["predictions"] == [
         {"is_duplicate": quora.is_duplicate(api_model, a, b)} for a, b in pairs
     ]
+    # The tiny model is qp_is_duplicate's: the other tasks' routes ask it only when told to.
+    insist = {"check_task": False}
     answer = predict(
-        served.port, [{"question": "How do I cook rice?"}], path="/v1/similar_question"
+        served.port, [{"question": "How do I cook rice?"}], insist, path="/v1/similar_question"
     )
-    expected = quora.similar_question(api_model, "How do I cook rice?")
+    expected = quora.similar_question(api_model, "How do I cook rice?", check_task=False)
     assert answer["predictions"] == [{"similar_question": expected}]
     instance = {"question": "Who wrote it?", "context": "It was written by Ada."}
     for task in ("squad_v1", "squad_v2"):
-        answer = predict(served.port, [instance], {"task": task}, path="/v1/answer")
-        expected = squad.answer(api_model, instance["question"], instance["context"], task=task)
+        answer = predict(served.port, [instance], {"task": task, **insist}, path="/v1/answer")
+        expected = squad.answer(api_model, **instance, task=task, check_task=False)
         assert answer["predictions"] == [{"answer": expected}]
     targets = ["1", "0", "how do i boil rice?"]
     inputs = INPUTS[:3]
@@ -354,9 +358,16 @@ BAD_REQUESTS = [
         "/v1/is_duplicate",
         {"instances": [{"question1": "a", "question2": "b"}], "parameters": {"num_beams": 2}},
         400,
-        "takes none",
+        "unknown parameter 'num_beams'; it takes check_task, exact_inputs",
     ),
     ("POST", "/v1/answer", {"instances": [{"question": "a"}]}, 400, 'has no "context"'),
+    (
+        "POST",
+        "/v1/answer",
+        {"instances": [{"question": "a", "context": "b"}]},
+        400,
+        "trained on qp_is_duplicate, not squad_v1",
+    ),
     (
         "POST",
         "/v1/answer",
@@ -456,14 +467,20 @@ class StandInEngine:
     programs_needed = 0
     adapter_names = ()
 
-    def __init__(self):
+    def __init__(self, record=None):
         self.defaults = Decoding(max_length=4)
+        self.answers_as(record)
         self.entered = threading.Event()
         self.gate = threading.Event()
         self.gate.set()
         self.batches: list[tuple[model_worker.Group, list]] = []
         self.words: dict[str, int] = {}
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
+
+    def answers_as(self, record) -> None:
+        """Answers as a run of `record` (None: one that records none), as a loaded model's."""
+        answering = model_worker.Answering(record, self.max_input_length, self.defaults)
+        self.runs = model_worker.Runs({None: answering})
 
     def encode(self, text: str, limit: int) -> engine.Encoded:
         with self._words_lock:
@@ -504,7 +521,7 @@ VERTEX_HEALTH = "/v1/endpoints/123/deployedModels/456"
 def stand_in():
     """A server with the stand-in engine, in this process: (port, engine, running)."""
     fake = StandInEngine()
-    # No warm-up: it would build the tasks' prompts, which loads TensorFlow.
+    # No warm-up of programs (the stand-in has none); the tasks' routes are read all the same.
     running = server.build(
         options=server.ServerOptions(
             max_connections=64, shutdown_timeout_s=10, warm_up=False, log_requests=False
@@ -680,49 +697,51 @@ def test_before_the_model_is_ready_health_and_routes_answer_503():
         thread.join(timeout=30)
 
 
-def test_a_users_text_to_text_task_gets_predict_and_score_from_gin_alone(stand_in, tmp_path):
-    """The task configs/runs/text_to_text.gin describes, with no code: /v1/predict and
-    /v1/score given its name as "task" put its INPUT_PREFIX before the input, as its
-    preprocessing does; without "task" the input goes to the model as it is."""
-    import gin
-    from t5tpu.tasks import text_to_text  # noqa: F401 - defines what the gin file binds
-
+def test_inputs_are_shaped_as_the_models_run_trained_and_task_routes_check_its_task(stand_in):
+    """The served run's record (a text_to_text run with INPUT_PREFIX) puts the prefix before
+    /v1/predict's and /v1/score's inputs, as its training did; "exact_inputs": true takes them
+    as they are. A Quora run lower-cases them. A task route asks only a model of its task: a
+    400 names the model's, "check_task": false insists."""
     port, fake, _ = stand_in
-    (tmp_path / "train.tsv").write_text("a long text\tshort\n")
-    gin.parse_config_files_and_bindings(
-        [os.path.join(ROOT, "configs", "runs", "text_to_text.gin")],
-        [
-            f"TRAIN_FILES = '{tmp_path / 'train.tsv'}'",
-            "TEXT_TASK_NAME = 'my_task'",
-            "INPUT_PREFIX = 'summarize: '",
-        ],
-        finalize_config=False,
-    )
-    try:
-        mine = {"task": "my_task"}
-        assert predict(port, ["the text"], mine)["predictions"] == ["SUMMARIZE: THE TEXT t=0.0"]
-        objects = predict(port, [{"input": "the text"}], {**mine, "temperature": 0.5})
-        assert objects["predictions"] == [{"prediction": "SUMMARIZE: THE TEXT t=0.5"}]
-        assert predict(port, ["the text"])["predictions"] == ["THE TEXT t=0.0"]
-        scored = predict(port, [{"input": "the text", "target": "a b"}], mine, path="/v1/score")
-        assert scored == {"predictions": [{"score": -3.0}]}
-        group, rows = fake.batches[-1]
-        assert group.kind == "score"
-        names = {i: w for w, i in fake.words.items()}
-        assert [[names[i] for i in row.input_ids[:-1]] for row in rows] == [
-            ["summarize:", "the", "text"]
-        ]
-        body = {"instances": ["x"], "parameters": {"task": "other_task"}}
-        status, _, content = request(port, "POST", "/v1/predict", body)
-        assert status == 400 and "must be one of my_task" in content["error"]
-    finally:
-        gin.clear_config()
+    summarize = run_record.InputShaping(run_record.PREFIX, prefix="summarize: ")
+    fake.answers_as(run_record.RunRecord("my_task", ("my_task",), 8, 4, shaping=summarize))
+    assert predict(port, ["the text"])["predictions"] == ["SUMMARIZE: THE TEXT t=0.0"]
+    objects = predict(port, [{"input": "the text"}], {"temperature": 0.5})
+    assert objects["predictions"] == [{"prediction": "SUMMARIZE: THE TEXT t=0.5"}]
+    exact = predict(port, ["the text"], {"exact_inputs": True})
+    assert exact["predictions"] == ["THE TEXT t=0.0"]
+    scored = predict(port, [{"input": "the text", "target": "a b"}], path="/v1/score")
+    assert scored == {"predictions": [{"score": -3.0}]}
+    group, rows = fake.batches[-1]
+    names = {i: w for w, i in fake.words.items()}
+    assert group.kind == "score"
+    assert [[names[i] for i in row.input_ids[:-1]] for row in rows] == [
+        ["summarize:", "the", "text"]
+    ]
+    pair = [{"question1": "How?", "question2": "Why?"}]
+    status, _, content = request(port, "POST", "/v1/is_duplicate", {"instances": pair})
+    assert status == 400 and "trained on my_task, not qp_is_duplicate" in content["error"]
+    assert '"check_task": false' in content["error"]
+    insisted = predict(port, pair, {"check_task": False}, path="/v1/is_duplicate")
+    assert insisted == {"predictions": [{"is_duplicate": False}]}  # "SUMMARIZE: IS ..." is no "1"
+    lower = run_record.InputShaping(run_record.QUORA)
+    fake.answers_as(run_record.RunRecord("qp_all", quora.tasks_of("qp_all"), 8, 4, shaping=lower))
+    predict(port, pair, path="/v1/is_duplicate")
+    names = {i: w for w, i in fake.words.items()}
+    (row,) = fake.batches[-1][1]
+    assert [names[i] for i in row.ids[:-1]] == ["is", "duplicate:", "how?", "<SEP>", "why?"]
+    for path, bad in (
+        ("/v1/predict", {"exact_inputs": 1}),
+        ("/v1/is_duplicate", {"check_task": 0}),
+    ):
+        body = {"instances": pair if "is_" in path else ["a"], "parameters": bad}
+        status, _, content = request(port, "POST", path, body)
+        assert status == 400 and "must be true or false" in content["error"], content
 
 
-def test_routes_a_users_module_adds_are_served_as_declared(stand_in, monkeypatch):
-    """Routes declared with tasks/serving.py (as a MIXTURE_OR_TASK_MODULE adds them): their
-    fields checked, the prompt and answer theirs, "task" choosing between two tasks' routes,
-    fixed decoding settings taking no parameters, /metrics counting them by name."""
+@pytest.fixture
+def users_routes(monkeypatch):
+    """Two routes a user's module adds when it is imported (before the server reads them)."""
     from t5tpu.tasks import serving
 
     monkeypatch.setattr(serving, "_ADDED", {})
@@ -744,6 +763,12 @@ def test_routes_a_users_module_adds_are_served_as_declared(stand_in, monkeypatch
             decoding={"temperature": 0.5},
         ),
     )
+
+
+def test_routes_a_users_module_adds_are_served_as_declared(users_routes, stand_in):
+    """Routes declared with tasks/serving.py (as a MIXTURE_OR_TASK_MODULE adds them): their
+    fields checked, the prompt and answer theirs, "task" choosing between two tasks' routes,
+    fixed decoding settings taking no parameters, /metrics counting them by name."""
     port, fake, _ = stand_in
     answer = predict(port, [{"word": "hey", "times": 2}, {"word": "ho"}], path="/v1/shout")
     assert answer == {"predictions": [{"shout": len("HEY HEY t=0.0")}, {"shout": 8}]}

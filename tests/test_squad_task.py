@@ -249,9 +249,9 @@ def test_tfds_data_neither_prepared_nor_downloadable_is_one_user_error(tmp_path,
     assert str(error.value) == (
         "cannot read the 'validation' split of task 'squad_v1': tfds squad/v1.1/3.0.0 is not "
         f"prepared in {data_dir}/squad/v1.1/3.0.0 and preparing it failed (ConnectionError: "
-        "Failed to resolve the host of squad); prepare it on a machine with internet and point "
-        "the task's tfds data_dir at it, or bind the task's own files in gin (docs/USAGE.md: "
-        "Tasks and data)"
+        "Failed to resolve the host of squad); prepare it on a machine with internet and bind "
+        "squad_v1_source.tfds_data_dir to its folder, or bind the task's own files in gin "
+        "(docs/USAGE.md: Tasks and data)"
     )
 
 

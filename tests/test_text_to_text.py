@@ -212,6 +212,28 @@ def test_registering_again_reads_unchanged_files_once(tmp_path, monkeypatch, cap
     assert seqio.get_mixture_or_task("text_to_text").num_input_examples("train") == 2
 
 
+def test_training_inputs_are_what_every_front_end_makes_of_a_raw_input():
+    """The task's inputs are text_to_text.model_input of each row (INPUT_PREFIX before it): the
+    function tasks/shaping.py calls on a raw input at every front end, from the run record."""
+    from t5tpu.tasks import shaping
+
+    from t5tpu import tasks
+    from t5tpu.config import gin_setup
+    from t5tpu.runtime.lazy_imports import seqio
+
+    gin_setup.parse([EXPERIMENT], [], [])
+    tasks.register_builtin_tasks()
+    recorded = shaping.for_task("text_to_text")
+    assert recorded.prefix == "first word: "
+    rows = text_files.read_rows([os.path.join(EXAMPLES, "train.tsv")], "input", "target")
+    task = seqio.get_mixture_or_task("text_to_text")
+    lengths = {"inputs": 64, "targets": 8}
+    made = task.get_dataset(lengths, split="train", shuffle=False).as_numpy_iterator()
+    assert [ex["inputs_pretokenized"].decode() for ex in made] == [
+        shaping.shape(recorded, text) for text in rows.inputs
+    ]
+
+
 def test_an_unknown_metric_is_one_line(tmp_path):
     run = t5tpu(
         "train", f"--gin_file={EXPERIMENT}", "--gin.TEXT_METRICS=['meteor']", model_dir=tmp_path

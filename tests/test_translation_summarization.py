@@ -132,10 +132,13 @@ def test_translation_infer_writes_german(translation):
 @pytest.mark.slow
 def test_summarization_infer_writes_a_headline_for_new_text(summarization):
     model_dir, _ = summarization
+    # The raw text: infer puts the run's INPUT_PREFIX before it, as training did.
     document = (
-        "summarize: A storm brought heavy snow to Leeds on Monday. About 9,000 homes lost "
+        "A storm brought heavy snow to Leeds on Monday. About 9,000 homes lost "
         "power and several roads were closed."
     )
     rows = _inferred(model_dir, SUMMARIZATION, f"--gin.INFER_INPUTS=[{json.dumps(document)}]")
-    assert [row["input"] for row in rows] == [document]
+    assert [(row["input"], row["model_input"]) for row in rows] == [
+        (document, f"summarize: {document}")
+    ]
     assert rows[0]["prediction"] == "Storm brings heavy snow to Leeds"

@@ -5,6 +5,10 @@ What the model is comes from the checkpoint's own description: the model.gin or 
 beside a t5tpu checkpoint, config.json and spiece.model in a Hugging Face directory. A T5X or
 Mesh TF checkpoint describes neither its vocabulary nor its activations, so pass the model gin
 file it was trained with (`gin_files=["configs/models/t5_1_1/base.gin"]`).
+
+How it answers comes from the run that trained it (its run record, storage/run_record.py): the
+lengths, the task's shaping of a raw input, the decoding defaults; a Hugging Face export carries
+the same in its config files. What a caller passes instead is used instead.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from t5tpu.data import vocab
 from t5tpu.formats import loader
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners.run_lengths import DEFAULT_LENGTHS
 from t5tpu.runtime import compilation_cache, lazy_imports
 from t5tpu.training import trainer
 
@@ -39,8 +44,8 @@ def load(
     step: int | None = None,
     gin_files: list[str] | tuple[str, ...] = (),
     batch_size: int = 8,
-    max_input_length: int = 512,
-    max_target_length: int = 128,
+    max_input_length: int | None = None,
+    max_target_length: int | None = None,
     dtype: str | None = None,
     partitioner: Partitioner | None = None,
 ) -> T5Model:
@@ -51,7 +56,8 @@ def load(
       or a T5X / Mesh TF checkpoint (with `gin_files`). gs:// paths work as on the CLI.
     batch_size: rows per compiled call; fewer inputs are padded to it, more run in turns.
     max_input_length / max_target_length: inputs are truncated to the first (keeping EOS),
-      decoding stops at the second unless a call says otherwise.
+      decoding stops at the second unless a call says otherwise; default: the lengths the run
+      trained with (TASK_FEATURE_LENGTHS, from its run record), else 512 and 128.
     dtype: 'bfloat16' or 'float32': the activations' dtype and the one parameters are cast
       to, once, for every call (bf16 inputs with float32 accumulation in every matmul); default:
       the checkpoint's own (its gin's T5Config.dtype; float32 for an imported checkpoint).
@@ -62,25 +68,18 @@ def load(
     # first import (etils' gs:// client, seqio) quiet.
     compilation_cache.enable()
     lazy_imports.quiet_tensorflow_imports()
+    partitioner = partitioner or Partitioner()
     with library_notes_hidden():
         checkpoint = loader.open_checkpoint(str(path), step=step, setting="path")
-        described = checkpoint.model(gin_files)
-        partitioner = partitioner or Partitioner()
-        vocabulary = described.vocabulary
-        if vocabulary is None and described.gin_files and checkpoint.step_dir:
-            # A run that bound no vocabulary trained with the bundled one, which
-            # default_vocabulary returns unbound.
-            vocabulary = vocab.default_vocabulary()
-        config = described.config
-        if dtype is not None:
-            config = dataclasses.replace(config, dtype=dtype)
-        model = EncoderDecoderModel(config, vocabulary or _NoVocabulary())
+        model, has_vocabulary = _network(checkpoint, gin_files, dtype)
         abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
         params = checkpoint.load(abstract, shardings)
+        record = checkpoint.run_record()
+    recorded = (record.input_length, record.target_length) if record else DEFAULT_LENGTHS
     shapes = Shapes.for_devices(
         batch_size=batch_size,
-        max_input_length=max_input_length,
-        max_target_length=max_target_length,
+        max_input_length=recorded[0] if max_input_length is None else max_input_length,
+        max_target_length=recorded[1] if max_target_length is None else max_target_length,
         data_parallelism=partitioner.data_parallelism,
     )
     return T5Model(
@@ -89,9 +88,27 @@ def load(
         param_shardings=shardings,
         partitioner=partitioner,
         shapes=shapes,
-        has_vocabulary=vocabulary is not None,
+        has_vocabulary=has_vocabulary,
         source=checkpoint.path,
+        record=record,
     )
+
+
+def _network(
+    checkpoint: loader.Checkpoint, gin_files, dtype: str | None
+) -> tuple[EncoderDecoderModel, bool]:
+    """The model the checkpoint (or `gin_files`) describes, in `dtype` if given, and whether
+    its vocabulary is known."""
+    described = checkpoint.model(gin_files)
+    vocabulary = described.vocabulary
+    if vocabulary is None and described.gin_files and checkpoint.step_dir:
+        # A run that bound no vocabulary trained with the bundled one, which
+        # default_vocabulary returns unbound.
+        vocabulary = vocab.default_vocabulary()
+    config = described.config
+    if dtype is not None:
+        config = dataclasses.replace(config, dtype=dtype)
+    return EncoderDecoderModel(config, vocabulary or _NoVocabulary()), vocabulary is not None
 
 
 @contextlib.contextmanager

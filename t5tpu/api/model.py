@@ -7,8 +7,13 @@ that keeps calling `predict` with the same settings compiles a handful of times,
 call. Parameters are cast once, at load, to the model's activation dtype (`t5tpu.load(...,
 dtype='bfloat16')`).
 
-The model is task-agnostic: asking a Quora- or SQuAD-trained model in its task's own words is
-done by the tasks (`t5tpu.tasks.quora.is_duplicate(model, ...)`, `t5tpu.tasks.squad.answer`).
+A model answers as its run trained it (its run record, storage/run_record.py): text inputs are
+shaped as the run's task shaped its training inputs (text_to_text's INPUT_PREFIX put before
+them, Quora's questions lower-cased; `exact_inputs=True` passes them as they are), cut to the
+run's input length, and decoded with the run's defaults up to its target length. Asking a
+Quora- or SQuAD-trained model in its task's own words is done by the tasks
+(`t5tpu.tasks.quora.is_duplicate(model, ...)`, `t5tpu.tasks.squad.answer`), which refuse a model
+trained on another task.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from t5tpu.model import decoding, layers
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request, encode
 from t5tpu.partitioning import Partitioner
+from t5tpu.storage.run_record import DecodingDefaults, InputShaping, RunRecord
+from t5tpu.tasks import shaping
 
 # Rows, lengths and chunks: True is an int to Python, not a count.
 _COUNT = validators.whole(low=1)
@@ -75,10 +82,17 @@ class T5Model:
         shapes: Shapes,
         has_vocabulary: bool,
         source: str,
+        record: RunRecord | None = None,
     ):
         self.model = model
         self.shapes = shapes
         self.source = source
+        # What the run decided (None: the checkpoint does not say): the tasks the helpers
+        # check, the shaping of text inputs, the decoding defaults.
+        self.run_record = record
+        self.tasks: tuple[str, ...] = record.tasks if record else ()
+        self.input_shaping = record.shaping if record else InputShaping()
+        self.decoding_defaults = record.decoding if record else DecodingDefaults()
         self._has_vocabulary = has_vocabulary
         self.engine = Engine(
             network=model,
@@ -98,7 +112,13 @@ class T5Model:
 
     def __repr__(self) -> str:
         count = sum(x.size for x in jax.tree_util.tree_leaves(self.engine.params))
-        return f"T5Model({self.source!r}, {count:,} parameters)"
+        shapes = self.shapes
+        task = f", trained on {self.run_record.task}" if self.run_record else ""
+        return (
+            f"T5Model({self.source!r}, {count:,} parameters{task}; inputs of up to "
+            f"{shapes.max_input_length} tokens, {shaping.describe(self.input_shaping)}; outputs "
+            f"of up to {shapes.max_target_length})"
+        )
 
     @property
     def vocabulary(self):
@@ -116,28 +136,47 @@ class T5Model:
         input_ids,
         *,
         max_new_tokens: int | None = None,
-        num_beams: int = 1,
-        temperature: float = 0.0,
-        top_k: int = 0,
-        seed: int = 0,
+        num_beams: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        seed: int | None = None,
     ) -> np.ndarray:
         """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros.
 
         input_ids: rows of token ids (a 2-D array with 0 as padding, or lists), ending with EOS
-        as a tokenizer writes them. num_beams > 1 is beam search (length penalty 0.6);
-        temperature > 0 samples (from the top_k most likely tokens when top_k > 0), seeded.
+        as a tokenizer writes them. num_beams > 1 is beam search (the run's length penalty,
+        0.6 by default); temperature > 0 samples (from the top_k most likely tokens when top_k
+        > 0), seeded. Each setting left None is the run's (`decoding_defaults`), the length
+        the model's max_target_length.
         """
-        request = self._settings(max_new_tokens, num_beams, temperature, top_k, seed)
+        request = self._settings(
+            max_length=max_new_tokens,
+            num_beams=num_beams,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+        )
         return self._generate(_ids_rows(input_ids), request)
 
-    def _settings(self, max_new_tokens, num_beams, temperature, top_k, seed) -> Request:
-        max_new_tokens = self.shapes.max_target_length if max_new_tokens is None else max_new_tokens
-        _COUNT.check("max_length", max_new_tokens)
+    def _settings(
+        self, *, max_length=None, num_beams=None, temperature=None, top_k=None, seed=None
+    ):
+        """The Request of a call: each setting given, else the run's default."""
+        max_length = self.shapes.max_target_length if max_length is None else max_length
+        _COUNT.check("max_length", max_length)
+        given = {"num_beams": num_beams, "temperature": temperature, "top_k": top_k, "seed": seed}
+        chosen = dataclasses.replace(
+            self.decoding_defaults, **{k: v for k, v in given.items() if v is not None}
+        )
         settings = decoding.DecodingSettings(
-            temperature=temperature, top_k=top_k, num_beams=num_beams, seed=seed
+            temperature=chosen.temperature,
+            top_k=chosen.top_k,
+            num_beams=chosen.num_beams,
+            beam_alpha=chosen.beam_alpha,
+            seed=chosen.seed,
         )
         settings.check(self.model.config.vocab_size)
-        return Request(settings, max_new_tokens)
+        return Request(settings, max_length)
 
     def _generate(self, rows: list, request: Request, first: int = 0) -> np.ndarray:
         """Decoded ids of `rows`; row i samples with the key of index first + i among all the
@@ -170,16 +209,32 @@ class T5Model:
         self,
         inputs: list[str],
         *,
-        num_beams: int = 1,
-        temperature: float = 0.0,
-        top_k: int = 0,
+        num_beams: int | None = None,
+        temperature: float | None = None,
+        top_k: int | None = None,
         max_length: int | None = None,
-        seed: int = 0,
+        seed: int | None = None,
+        exact_inputs: bool = False,
     ) -> list[str]:
-        """The model's output text for each input (in the task's format, e.g. 'question: ...
-        context: ...'); see generate_ids for the decoding settings."""
-        settings = self._settings(max_length, num_beams, temperature, top_k, seed)
-        return self._predict_texts(_texts(inputs), first=0, settings=settings)
+        """The model's output text for each input, each input first shaped as the run's task
+        shaped its training inputs (`exact_inputs=True`: taken as the model input as it is);
+        see generate_ids for the decoding settings."""
+        settings = self._settings(
+            max_length=max_length,
+            num_beams=num_beams,
+            temperature=temperature,
+            top_k=top_k,
+            seed=seed,
+        )
+        rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
+        return self._predict_texts(rows, first=0, settings=settings)
+
+    def model_inputs(self, texts: list[str], *, exact_inputs: bool = False) -> list[str]:
+        """The texts the model is given for `texts` (see predict)."""
+        validators.boolean().check("exact_inputs", exact_inputs)
+        if exact_inputs:
+            return list(texts)
+        return [shaping.shape(self.input_shaping, text) for text in texts]
 
     def predict_iter(
         self, inputs: Iterable[str], *, batch_size: int = 1024, **settings
@@ -188,53 +243,59 @@ class T5Model:
         inputs are read, decoded (batched by length) and yielded at a time, so a stream of any
         length takes the memory of one such group. `settings` as predict's."""
         _COUNT.check("batch_size", batch_size)
-        chosen = self._settings(
-            settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
-        )
+        exact = _known(settings).pop("exact_inputs", False)
+        chosen = self._settings(**settings)
         iterator = iter(inputs)
         first = 0
         while group := list(itertools.islice(iterator, batch_size)):
-            yield from self._predict_texts(_texts(group), first=first, settings=chosen)
+            rows = self.model_inputs(_texts(group), exact_inputs=exact)
+            yield from self._predict_texts(rows, first=first, settings=chosen)
             first += len(group)
 
     def predict_file(
         self, input_file: str, output_file: str, *, chunk_size: int = 4096, **settings
     ) -> str:
         """Decodes a text file (one input per line; a glob or a comma list of files too) into
-        a JSON-lines file of {"input", "prediction"}, as `t5tpu infer` does: in chunks saved
-        beside it, so calling again after an interruption continues where it stopped, and the
-        result is the same bytes. Returns `output_file`."""
+        a JSON-lines file of {"input", "prediction"} (and "model_input", the shaped input, when
+        the model shapes its inputs), as `t5tpu infer` does: in chunks saved beside it, so
+        calling again after an interruption continues where it stopped, and the result is the
+        same bytes. `settings` as predict's. Returns `output_file`."""
         from t5tpu.api import predict_file
 
         _COUNT.check("chunk_size", chunk_size)
-        chosen = self._settings(
-            settings.pop("max_length", None), **{**_DEFAULTS, **_known(settings)}
-        )
+        exact = _known(settings).pop("exact_inputs", False)
+        chosen = self._settings(**settings)
+        shaped = None if exact else self.input_shaping
         return predict_file.write(
             input_file,
             output_file,
             decode=lambda texts, first: self._predict_texts(texts, first=first, settings=chosen),
+            shape=lambda texts: self.model_inputs(texts, exact_inputs=exact),
             identity={
                 "model": self.source,
                 "max_length": chosen.max_length,
                 "settings": dataclasses.asdict(chosen.settings),
+                "lengths": [self.shapes.max_input_length, self.shapes.max_target_length],
+                "shaping": shaped.record() if shaped else "exact",
             },
             chunk_size=chunk_size,
+            shapes_inputs=shaped is not None and shaped.changes_inputs,
         )
 
     def _predict_texts(self, texts: list[str], *, first: int, settings: Request) -> list[str]:
-        """Texts decoded; `first` is the place of texts[0] among all the inputs."""
+        """Model inputs decoded; `first` is the place of texts[0] among all the inputs."""
         rows = [self._encode(text) for text in texts]
         ids = self._generate(rows, settings, first=first)
         return [self.vocabulary.decode(row.tolist()) for row in ids]
 
-    def score(self, inputs: list[str], targets: list[str]) -> np.ndarray:
-        """float32 log-likelihood of each target given its input, summed over the target's
-        tokens (EOS included), as `t5tpu eval` scores."""
+    def score(self, inputs: list[str], targets: list[str], *, exact_inputs: bool = False):
+        """float32 log-likelihood of each target given its input (shaped as predict's),
+        summed over the target's tokens (EOS included), as `t5tpu eval` scores."""
         inputs, targets = _texts(inputs), _texts(targets)
         if len(inputs) != len(targets):
             raise UserError(f"{len(inputs)} inputs but {len(targets)} targets")
-        encoded = [self._encode(text) for text in inputs]
+        shaped = self.model_inputs(inputs, exact_inputs=exact_inputs)
+        encoded = [self._encode(text) for text in shaped]
         wanted = [self._encode(text, self.shapes.max_target_length) for text in targets]
         return self.engine.score(encoded, wanted)
 
@@ -244,15 +305,14 @@ class T5Model:
         return encode(self.vocabulary, text, limit or self.shapes.max_input_length).ids
 
 
-_DEFAULTS = {"num_beams": 1, "temperature": 0.0, "top_k": 0, "seed": 0}
+_SETTINGS = ("num_beams", "temperature", "top_k", "max_length", "seed", "exact_inputs")
 
 
 def _known(settings: dict) -> dict:
-    unknown = sorted(set(settings) - set(_DEFAULTS))
+    unknown = sorted(set(settings) - set(_SETTINGS))
     if unknown:
         raise UserError(
-            f"unknown decoding setting {unknown[0]!r}; use max_length, "
-            + ", ".join(sorted(_DEFAULTS))
+            f"unknown decoding setting {unknown[0]!r}; use " + ", ".join(sorted(_SETTINGS))
         )
     return settings
 

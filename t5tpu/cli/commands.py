@@ -87,6 +87,10 @@ _TASK_MODULE = Macro(
     "MIXTURE_OR_TASK_MODULE", "None", "your module or .py file that registers more tasks"
 )
 _LENGTHS = Macro("TASK_FEATURE_LENGTHS", "required", "{'inputs': 512, 'targets': 128}")
+# eval and infer: the lengths the checkpoint's run trained with, unless told.
+_RUNS_LENGTHS = dataclasses.replace(
+    _LENGTHS, default="None", meaning="None: those the checkpoint's run trained with"
+)
 _BATCH_SIZE = Macro("BATCH_SIZE", "128", "global batch, split over the mesh's data axis")
 _MICROBATCHES = Macro("NUM_MICROBATCHES", "1", "gradient accumulation: the batch in N pieces")
 _PACKING = Macro("USE_PACKING", "False", "pack several examples into one row")
@@ -145,7 +149,7 @@ EVAL = GinCommand(
         _MODEL_DIR,
         _TASK,
         _TASK_MODULE,
-        _LENGTHS,
+        _RUNS_LENGTHS,
         Macro("CHECKPOINT_STEP", "'latest'", f"{_CHECKPOINT_STEP}, or 'continuous' while training"),
         _EVAL_SPLIT,
         _EVAL_BATCH_SIZE,
@@ -166,7 +170,7 @@ INFER = GinCommand(
         _MODEL_DIR,
         dataclasses.replace(_TASK, default="None", meaning="the task whose split to decode"),
         _TASK_MODULE,
-        _LENGTHS,
+        _RUNS_LENGTHS,
         Macro("CHECKPOINT_STEP", "'latest'", _CHECKPOINT_STEP),
         Macro("INFER_INPUT_FILE", "None", "text file(s), one input per line: a, b or a glob"),
         Macro("INFER_INPUTS", "None", "a list of model inputs, e.g. from the command line"),
@@ -178,6 +182,11 @@ INFER = GinCommand(
         Macro("INFER_NUM_SHARDS", "1", "independent runs that split the chunks"),
         Macro("INFER_OUTPUT_DIR", "None", "where predictions go (None: MODEL_DIR)"),
         Macro("INFER_TRUNCATION", "'warn'", "long inputs: 'warn' truncates them, 'error' refuses"),
+        Macro(
+            "INFER_EXACT_INPUTS",
+            "False",
+            "True: lines are model inputs as they are, not shaped as the run's task did",
+        ),
         Macro("TEMPERATURE", "0.0", "above 0: sampling instead of greedy decoding"),
         Macro("TOP_K", "0", "sample from the k most likely tokens (0: all)"),
         _NUM_BEAMS,
@@ -220,8 +229,7 @@ TOOLS = {
         # model workloads run on a machine without it (scripts/accelerator_check.sh).
         ToolCommand(module=bench, tensorflow=False, compilation_cache=True, trains=True),
         ToolCommand(module=vertex, tensorflow=False, compilation_cache=False),
-        # The task routes build prompts with TensorFlow: imported during the warm-up, beside
-        # the compiles (serve/server.py), or, with --no_warmup, before the server listens.
+        # Its inputs and the tasks' prompts are shaped in Python: no TensorFlow.
         ToolCommand(module=serve, tensorflow=False, compilation_cache=True),
         ToolCommand(module=vertex_deploy, tensorflow=False, compilation_cache=False),
     )

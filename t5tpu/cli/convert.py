@@ -2,7 +2,7 @@
 
     t5tpu convert [--from={hf,t5x,mesh_tf}] --input=PATH --output_dir=DIR [--overwrite]
     t5tpu convert --to=hf --input=CHECKPOINT --output_dir=DIR [--gin_file=MODEL_GIN ...]
-        [--lora={merged,adapters}]
+        [--lora={merged,adapters,base}]
     t5tpu convert --lora=adapters --input=LORA_CHECKPOINT --output_dir=DIR
 
 --lora writes Hugging Face files (--to=hf is implied).
@@ -33,8 +33,9 @@ With --to=hf, a t5tpu checkpoint_<step> (or a MODEL_DIR's newest) becomes a Hugg
 directory; what shapes cannot tell (gated activation, relative position distance, vocabulary) \
 comes from --gin_file, else from the model.gin or config.gin beside the checkpoint. A LoRA run's \
 checkpoint (or MODEL_DIR) is written merged into its base, or with --lora=adapters as its adapters \
-in PEFT's format (adapter_config.json + adapter_model.safetensors) for the Hugging Face export of \
-the base; --lora implies --to=hf."""
+in PEFT's format (adapter_config.json + adapter_model.safetensors), which PEFT loads onto \
+--lora=base: the base as the adapters were trained on it (rounded to lora.base_dtype), so that \
+PEFT answers as t5tpu does; --lora implies --to=hf."""
 
 
 def parser() -> ToolParser:
@@ -64,9 +65,10 @@ def parser() -> ToolParser:
     )
     parser.add_argument(
         "--lora",
-        choices=["merged", "adapters"],
+        choices=["merged", "adapters", "base"],
         help="a LoRA run's checkpoint to Hugging Face: the base with the adapters merged "
-        "(the default), or the adapters alone in PEFT's format",
+        "(the default), the adapters alone in PEFT's format, or the base they were trained on "
+        "(for PEFT)",
     )
     return parser
 

@@ -15,7 +15,6 @@ from t5tpu import validators
 from t5tpu.cli.gin_flags import rewrite_gin_shorthand
 from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.errors import UserError
-from t5tpu.runtime import lazy_imports
 
 NAME = "serve"
 SUMMARY = "answer HTTP requests with a model, batching requests that arrive together"
@@ -34,10 +33,13 @@ Serve a model over HTTP: POST /v1/predict ({"instances": ["..."], "parameters": 
 loaded and compiled, then 200) and /metrics (Prometheus). docs/SERVING.md has every payload.
 
 The model: --model (a MODEL_DIR, checkpoint_N, Hugging Face or T5X directory), else MODEL_DIR \
-bound in the gin files (at CHECKPOINT_STEP), else AIP_STORAGE_URI. The gin files give what \
-`t5tpu infer` takes from them: TASK_FEATURE_LENGTHS, NUM_BEAMS, TEMPERATURE, TOP_K and \
-INFER_TRUNCATION as the defaults; a request's parameters override the decoding settings, and \
-its answers are those `t5tpu infer` writes for the same inputs and settings. Each --adapter \
+bound in the gin files (at CHECKPOINT_STEP), else AIP_STORAGE_URI. It answers as its run \
+trained it (the run record saved with each checkpoint): inputs shaped as the run's task shaped \
+its training inputs ("exact_inputs": true takes them as they are), the run's lengths and \
+decoding. The gin files, where they bind them, give what `t5tpu infer` takes from them instead: \
+TASK_FEATURE_LENGTHS, NUM_BEAMS, TEMPERATURE, TOP_K and INFER_TRUNCATION; a request's \
+parameters override the decoding settings, and its answers are those `t5tpu infer` writes for \
+the same inputs and settings. Each --adapter \
 NAME=MODEL_DIR (a LoRA run of the served model) is served beside it over the one base in memory: \
 a request with "parameters": {"adapter": "NAME"} runs with it.
 
@@ -125,8 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
     from t5tpu.serve import app, batcher, model_setup, server
 
-    if args.no_warmup:  # else the warm-up imports it: a first request must not wait for it
-        lazy_imports.import_tensorflow_quietly()
+    # The port first: a port in use is one line before anything is read.
+    sock = server.bind(args.host, args.port)
     setup = model_setup.model_setup(
         gin_flags=model_setup.GinFlags(
             files=tuple(args.gin_file),
@@ -138,9 +140,10 @@ def run(args: argparse.Namespace) -> int:
         truncation=args.truncation,
         environ=dict(os.environ),
         adapters=tuple(args.adapter),
+        say=server.say,
     )
     return server.serve(
-        sock=server.bind(args.host, args.port),
+        sock=sock,
         options=server.ServerOptions(
             max_connections=args.max_connections,
             shutdown_timeout_s=args.shutdown_timeout,

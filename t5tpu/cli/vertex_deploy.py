@@ -25,9 +25,10 @@ _DESCRIPTION = """\
 Upload a model to Vertex AI with the t5tpu image as its serving container and deploy it to a \
 new endpoint. Vertex AI copies --model_dir (a MODEL_DIR, best one holding only the checkpoint_N \
 to serve, or a Hugging Face directory from `t5tpu convert --to=hf`) into the container, which \
-runs `t5tpu serve` on port 8080: predictions at /v1/predict, health at /health. Gin files (for \
-TASK_FEATURE_LENGTHS and the decoding defaults) must be in the image (the shipped configs/...) \
-or on gs://.
+runs `t5tpu serve` on port 8080: predictions at /v1/predict, health at /health. The model \
+answers as its run trained it (the run record in its checkpoint: lengths, input shaping, \
+decoding); gin files that override those must be in the image (the shipped configs/...) or on \
+gs://.
 
 The machine: --machine_type (CPU, default n1-standard-4), --gpu=NAME:COUNT or --tpu=v5e-N. \
 --gin.NAME=VALUE and --gin_bindings='NAME = VALUE' pass on to the server, and so does each \

@@ -73,10 +73,12 @@ LIMITS: dict[str, Limit] = {
     "NUM_BEAMS": _positive("4"),
     "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
     "TOP_K": _count("40"),
+    # None: infer's "the run's" (a run that trains or evaluates still needs them).
     "TASK_FEATURE_LENGTHS": Limit(
-        Rule(_lengths, "a dict of feature lengths >= 1"),
+        validators.optional(Rule(_lengths, "a dict of feature lengths >= 1")),
         "\"{'inputs': 512, 'targets': 128}\"",
     ),
+    "INFER_EXACT_INPUTS": Limit(validators.boolean(), "True"),
 }
 
 

@@ -24,6 +24,8 @@ TFDS_GCS_HOST = "storage.googleapis.com"  # tfds' mirror of prepared data sets
 SCANNED_BYTES = 256 << 20
 # A file source with this attribute set says its num_input_examples are the exact record counts.
 EXACT_SIZES = "t5tpu_exact_sizes"
+# A source attribute: the gin binding of a tfds source's data_dir, named when it is not ready.
+DATA_DIR_BINDING = "t5tpu_data_dir_binding"
 TFDS_SETTING = "tfds data_dir"  # in messages about a tfds data set's directory
 
 
@@ -174,13 +176,13 @@ def _tfds_unavailable(source: seqio.DataSource) -> str | None:
     remote.check_storage(data_dir, TFDS_SETTING)
     builder = source.tfds_dataset.builder
     first = jax.process_index() == 0
-    why = _prepared_or_why_not(builder) if first else None
+    why = _prepared_or_why_not(builder, source) if first else None
     if jax.process_count() > 1:
         multihost_utils.sync_global_devices(f"t5tpu: tfds {builder.info.full_name} prepared")
-    return why if first else _prepared_or_why_not(builder)
+    return why if first else _prepared_or_why_not(builder, source)
 
 
-def _prepared_or_why_not(builder) -> str | None:
+def _prepared_or_why_not(builder, source) -> str | None:
     prepared = remote.answered(
         builder.is_prepared, path=str(builder.data_dir), setting=TFDS_SETTING
     )
@@ -189,13 +191,15 @@ def _prepared_or_why_not(builder) -> str | None:
             builder.info.read_from_directory(builder.data_dir)
         return None
     hosts = _unresolvable_download_hosts(builder)
+    binding = getattr(source, DATA_DIR_BINDING, "the task's tfds data_dir")
     if hosts:
-        return _cannot_prepare(builder, f"no network: cannot resolve {', '.join(hosts)}")
+        return _cannot_prepare(builder, binding, f"no network: cannot resolve {', '.join(hosts)}")
     print(f"preparing tfds {builder.info.full_name} in {builder.data_dir} (first use)", flush=True)
     try:
         builder.download_and_prepare()
     except Exception as e:  # the download's own error says why; no traceback for a user's setup
-        return _cannot_prepare(builder, f"{type(e).__name__}: {one_line_message(e)[:200]}")
+        cause = f"{type(e).__name__}: {one_line_message(e)[:200]}"
+        return _cannot_prepare(builder, binding, cause)
     return None
 
 
@@ -218,10 +222,9 @@ def _unresolvable_download_hosts(builder) -> list[str]:
     return hosts
 
 
-def _cannot_prepare(builder, cause: str) -> str:
+def _cannot_prepare(builder, binding: str, cause: str) -> str:
     return (
         f"tfds {builder.info.full_name} is not prepared in {builder.data_dir} and preparing "
-        f"it failed ({cause}); prepare it on a machine with internet and point the task's "
-        "tfds data_dir at it, or bind the task's own files in gin (docs/USAGE.md: Tasks and "
-        "data)"
+        f"it failed ({cause}); prepare it on a machine with internet and bind {binding} to "
+        "its folder, or bind the task's own files in gin (docs/USAGE.md: Tasks and data)"
     )

@@ -29,6 +29,7 @@ from t5tpu.errors import UserError
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage.checkpoints import flat_shapes, geometry_differences
+from t5tpu.storage.run_record import RunRecord
 
 # Sublayers of a T5 block as the `t5` library and Hugging Face number and name them:
 # t5tpu module name -> (sublayer index, T5 module name).
@@ -172,6 +173,11 @@ class CheckpointReader(abc.ABC):
 
     def vocabulary(self) -> VocabularySource:
         return VocabularySource()  # T5X and Mesh TF checkpoints do not record theirs
+
+    def run_record(self) -> RunRecord | None:
+        """What the checkpoint says of the inputs and outputs it was trained for (the lengths,
+        the input shaping, the decoding); None: nothing (T5X and Mesh TF record none)."""
+        return None
 
     def load(self, abstract_params, shardings=None):
         """The parameters, as a tree like `abstract_params`: float32 numpy arrays, or jax arrays

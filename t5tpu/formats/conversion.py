@@ -29,12 +29,14 @@ from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
     checkpoint_reader,
     hf_format,
+    hf_run_record,
     hf_tokenizer,
     loader,
     peft_format,
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
+from t5tpu.model import lora
 from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, checkpoints, remote, save_guards
 from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
@@ -262,7 +264,7 @@ def _export_source(path: str) -> loader.Checkpoint:
     return loader.open_checkpoint(path, setting="--input")
 
 
-LORA_OUTPUTS = ("merged", "adapters")
+LORA_OUTPUTS = ("merged", "adapters", "base")
 
 
 def _export_adapters(checkpoint: loader.Checkpoint, config: T5Config, output_dir: str) -> None:
@@ -272,8 +274,8 @@ def _export_adapters(checkpoint: loader.Checkpoint, config: T5Config, output_dir
         peft_format.export(jax.device_get(adapters), checkpoint.lora.settings, config, folder)
     print(
         f"wrote the LoRA adapters of {checkpoint.path} to {output_dir} in PEFT's format; load "
-        f"them with peft.PeftModel.from_pretrained(MODEL, '{output_dir}') onto the Hugging Face "
-        f"export of the base {checkpoint.lora.base.path}",
+        f"them with peft.PeftModel.from_pretrained(MODEL, '{output_dir}') onto the base as "
+        f"they were trained on it: t5tpu convert --lora=base --input={checkpoint.path}",
         flush=True,
     )
 
@@ -289,30 +291,53 @@ def to_hf(
 ) -> None:
     """Writes the t5tpu checkpoint at `input_path` (a checkpoint_<step>, or a MODEL_DIR's
     newest) as a Hugging Face directory; `gin_files` describe its model (default: the model.gin
-    or config.gin beside it). A LoRA run's checkpoint is written merged into its base, or with
-    `lora_output='adapters'` as its adapters in PEFT's format."""
+    or config.gin beside it). A LoRA run's checkpoint is written merged into its base; with
+    `lora_output='adapters'` as its adapters in PEFT's format, with 'base' as the base the
+    adapters were trained on (rounded to lora.base_dtype, as training saw it): PEFT's adapters
+    on that base are the model t5tpu runs."""
     if source not in (None, "t5tpu"):
         raise UserError("--to=hf exports a t5tpu checkpoint; drop --from")
     if lora_output not in LORA_OUTPUTS:
         raise UserError(f"--lora={lora_output!r}; use one of {', '.join(LORA_OUTPUTS)}")
     checkpoint = _export_source(input_path)  # a half-copied one: one line, nothing written
     _check_output(output_dir, input_path, overwrite)
-    if lora_output == "adapters" and checkpoint.lora is None:
-        raise UserError(f"--lora=adapters: {input_path} is not a LoRA run's checkpoint")
+    if lora_output != "merged" and checkpoint.lora is None:
+        raise UserError(f"--lora={lora_output}: {input_path} is not a LoRA run's checkpoint")
     model = checkpoint.model(gin_files)
     if lora_output == "adapters":
         _export_adapters(checkpoint, model.config, output_dir)
         return
-    params = checkpoint.load(checkpoint_reader.abstract_params(model.config))
+    abstract = checkpoint_reader.abstract_params(model.config)
+    if lora_output == "base":
+        parts = checkpoint.load_apart(abstract)
+        params = lora.base_as_trained(parts.base, parts.settings.base_dtype)
+    else:
+        params = checkpoint.load(abstract)
+    record = checkpoint.run_record()
     with _written_output(output_dir) as folder:
         hf_format.export(
             jax.device_get(params),
             model.config,
             folder,
             vocabulary_source.of_vocabulary(model.vocabulary),
+            record=record,
         )
     print(
         f"wrote {output_dir} from {checkpoint.path} ({_count(params):,} parameters); load it "
-        f"with transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}')",
+        f"with transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}'), or "
+        f"pipeline('text2text-generation', model='{output_dir}'), which answers as t5tpu does",
         flush=True,
     )
+    for note in hf_run_record.notes(record) + _tokenizer_notes(model.vocabulary, output_dir):
+        print(f"t5tpu: note: {note}", flush=True)
+
+
+def _tokenizer_notes(vocabulary, output_dir: str) -> list[str]:
+    pieces = hf_tokenizer.user_defined_pieces(vocabulary_source.of_vocabulary(vocabulary))
+    if not pieces:
+        return []
+    return [
+        f"the vocabulary's user-defined pieces ({', '.join(pieces[:3])}) are split otherwise by "
+        "transformers' fast tokenizer: for t5tpu's ids on text holding them, load "
+        f"AutoTokenizer.from_pretrained('{output_dir}', use_fast=False) for the pipeline"
+    ]

@@ -30,10 +30,11 @@ from flax import traverse_util
 
 from t5tpu import validators
 from t5tpu.errors import UserError, one_line_message
-from t5tpu.formats import checkpoint_reader, hf_tokenizer
+from t5tpu.formats import checkpoint_reader, hf_run_record, hf_tokenizer
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, remote, user_files
+from t5tpu.storage.run_record import RunRecord
 
 CONFIG_FILE = "config.json"
 GENERATION_CONFIG_FILE = "generation_config.json"
@@ -423,6 +424,20 @@ class HFCheckpoint(checkpoint_reader.CheckpointReader):
         """spiece.model, ByT5's bytes, or none."""
         return hf_tokenizer.read(self.directory)
 
+    def run_record(self) -> RunRecord | None:
+        """What config.json, generation_config.json and tokenizer_config.json say of the run
+        (hf_run_record.py; a t5tpu export carries its whole record)."""
+        files = {}
+        for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, hf_tokenizer.TOKENIZER_CONFIG_FILE):
+            path = os.path.join(self.directory, name)
+            files[name] = _read_json(path) if _exists(path) else {}
+        return hf_run_record.record_from_files(
+            files[CONFIG_FILE],
+            files[GENERATION_CONFIG_FILE],
+            files[hf_tokenizer.TOKENIZER_CONFIG_FILE],
+            where=os.path.join(self.directory, CONFIG_FILE),
+        )
+
     def stored_name(self, name: str) -> str:
         return NAMES(name)
 
@@ -478,11 +493,13 @@ def export(
     output_dir: str,
     vocabulary: VocabularySource | None = None,
     *,
+    record: RunRecord | None = None,
     setting: str = "--output_dir",
 ) -> None:
     """Writes config.json + model.safetensors, generation_config.json and the vocabulary's
     tokenizer files, which transformers' from_pretrained, AutoTokenizer and
-    pipeline("text2text-generation") load offline. The tensors are the ones save_pretrained
+    pipeline("text2text-generation") load offline; the run's `record` in their own fields
+    (hf_run_record.py), so they answer as t5tpu does. The tensors are the ones save_pretrained
     writes: no per-stack copies of the embedding, lm_head only when it is not tied. Each file
     is written atomically; `setting` is named when `output_dir` cannot be written."""
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
@@ -490,13 +507,13 @@ def export(
     output = epath.Path(output_dir)
     with atomic_files.write_faults(output_dir, setting):
         output.mkdir(parents=True, exist_ok=True)
-    hf_tokenizer.write_json(output / CONFIG_FILE, hf_config(config), setting=setting)
-    hf_tokenizer.write_json(output / GENERATION_CONFIG_FILE, _GENERATION_CONFIG, setting=setting)
+    described = {**hf_config(config), **hf_run_record.config_fields(record)}
+    hf_tokenizer.write_json(output / CONFIG_FILE, described, setting=setting)
+    generation = hf_run_record.generation_config(record)
+    hf_tokenizer.write_json(output / GENERATION_CONFIG_FILE, generation, setting=setting)
     tensors = dict(sorted(tensors.items()))
     write_safetensors(os.path.join(output_dir, SAFETENSORS_FILE), tensors, setting=setting)
-    hf_tokenizer.write(output, vocabulary or VocabularySource(), setting=setting)
-
-
-# T5's ids: 0 pads and starts the decoder, 1 ends a sequence, 2 is unknown; every T5 vocabulary
-# (and t5tpu's decoding) uses them.
-_GENERATION_CONFIG = {"decoder_start_token_id": 0, "eos_token_id": 1, "pad_token_id": 0}
+    max_length = hf_run_record.model_max_length(record)
+    hf_tokenizer.write(
+        output, vocabulary or VocabularySource(), model_max_length=max_length, setting=setting
+    )

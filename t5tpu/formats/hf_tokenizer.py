@@ -79,9 +79,16 @@ def read(directory: str) -> VocabularySource:
     return VocabularySource(SENTENCEPIECE, model_file, extra_ids)
 
 
-def write(output: epath.Path, source: VocabularySource, *, setting: str = "--output_dir") -> None:
+def write(
+    output: epath.Path,
+    source: VocabularySource,
+    *,
+    model_max_length: int = 512,
+    setting: str = "--output_dir",
+) -> None:
     """Writes the tokenizer files of `source` into `output` (nothing for NONE), each atomically
-    (storage.atomic_files; `setting` is named when `output` cannot be written)."""
+    (storage.atomic_files; `setting` is named when `output` cannot be written); the tokenizer
+    cuts to `model_max_length` tokens with truncation=True (the run's input length)."""
     if source.kind not in (SENTENCEPIECE, BYTES):
         return
     sentinels = [f"<extra_id_{i}>" for i in range(source.extra_ids)]
@@ -91,7 +98,9 @@ def write(output: epath.Path, source: VocabularySource, *, setting: str = "--out
     tokenizer = {
         "tokenizer_class": BYTE_TOKENIZER if source.kind == BYTES else "T5Tokenizer",
         "extra_ids": source.extra_ids,
-        "model_max_length": 512,
+        "model_max_length": model_max_length,
+        # sentencepiece's decoding as it is: "a , b" stays as the model wrote it.
+        "clean_up_tokenization_spaces": False,
         **special,
     }
     if source.kind == SENTENCEPIECE:
@@ -100,6 +109,20 @@ def write(output: epath.Path, source: VocabularySource, *, setting: str = "--out
         tokenizer["legacy"] = True  # as the published T5 tokenizers: sentencepiece's own pieces
     write_json(output / TOKENIZER_CONFIG_FILE, tokenizer, setting=setting)
     write_json(output / SPECIAL_TOKENS_FILE, special, setting=setting)
+
+
+def user_defined_pieces(source: VocabularySource) -> list[str]:
+    """The SentencePiece model's user-defined pieces (the bundled vocabulary's <SEP>):
+    transformers' fast tokenizer, converted from spiece.model, drops the "▁" sentencepiece puts
+    before one, so it gives other ids for text holding them (its slow tokenizer does not)."""
+    if source.kind != SENTENCEPIECE:
+        return []
+    from sentencepiece import sentencepiece_model_pb2  # protobuf's, read only here
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(epath.Path(source.model_file).read_bytes())
+    user_defined = sentencepiece_model_pb2.ModelProto.SentencePiece.USER_DEFINED
+    return [piece.piece for piece in proto.pieces if piece.type == user_defined]
 
 
 def write_json(path: epath.Path, content: dict, *, setting: str = "--output_dir") -> None:

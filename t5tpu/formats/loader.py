@@ -34,6 +34,7 @@ from t5tpu.model.network import T5Config
 from t5tpu.storage import adapted_checkpoints, checkpoints, remote
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage.run_record import RunRecord
 
 # The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
 IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
@@ -205,6 +206,17 @@ class Checkpoint:
             return model_from_gin(gin_files, None)
         reader = self.reader
         return ModelDescription(reader.config(), reader.vocabulary().load(), ())
+
+    def run_record(self) -> RunRecord | None:
+        """What the run that saved it decided about its inputs and outputs (its task, lengths,
+        input shaping, decoding); a Hugging Face directory's as its config files say (the
+        export writes them); None when the checkpoint does not say (one saved before runs
+        recorded theirs, a conversion, T5X and Mesh TF)."""
+        if self.step_dir:  # read here, parsed there: one module fewer on the way to the files
+            return RunRecord.from_metadata(
+                checkpoints.custom_metadata(self.manager, self.step), self.path
+            )
+        return self.reader.run_record()
 
     def _gin_beside(self) -> list[str]:
         run_dir = self.step_dir.model_dir

@@ -19,11 +19,11 @@ from jax.experimental import multihost_utils
 
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
-from t5tpu.data import availability, pipeline
+from t5tpu.data import availability
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import results_dir, train
+from t5tpu.runners import results_dir, run_lengths, train
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
@@ -76,6 +76,18 @@ def _checked_steps(model_dir: str, checkpoint_step: int | str, params_shape) -> 
     for step in steps:
         loader.in_model_dir(model_dir, step).check_geometry(params_shape)
     return steps
+
+
+def _lengths(told: dict | None, model_dir: str, steps: list[int] | None) -> dict:
+    """TASK_FEATURE_LENGTHS, else the lengths the newest of `steps` was trained with (its run
+    record; continuous eval, whose steps are yet to come, needs them told)."""
+    from t5tpu.formats import loader
+
+    record = loader.in_model_dir(model_dir, max(steps)).run_record() if steps else None
+    lengths = run_lengths.chosen(
+        told, record, setting="TASK_FEATURE_LENGTHS", say=print, default=None
+    )
+    return {"inputs": lengths[0], "targets": lengths[1]}
 
 
 def _restored(model_dir: str, step: int, params_shape, shardings, continuous: bool):
@@ -133,7 +145,7 @@ def evaluate(
     model_dir: str,
     model: EncoderDecoderModel,
     mixture_or_task_name: str,
-    task_feature_lengths: dict,
+    task_feature_lengths: dict | None = None,
     batch_size: int = 32,
     checkpoint_step: int | str = "latest",
     split: str = "validation",
@@ -158,8 +170,7 @@ def evaluate(
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
-    lengths = pipeline.model_lengths(task_feature_lengths)
-    params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
+    params_shape, shardings = trainer.abstract_params(model, partitioner, 8, 8)  # any lengths
     continuous = checkpoint_step == CONTINUOUS
     if continuous:
         steps = _steps_as_they_appear(model_dir, output_dir, split, poll_seconds, wait_seconds)
@@ -168,7 +179,9 @@ def evaluate(
     evaluator = TaskEvaluator(
         model=model,
         task_name=mixture_or_task_name,
-        task_feature_lengths=task_feature_lengths,
+        task_feature_lengths=_lengths(
+            task_feature_lengths, model_dir, None if continuous else steps
+        ),
         split=split,
         batch_size=batch_size,
         partitioner=partitioner,

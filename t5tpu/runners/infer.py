@@ -26,7 +26,6 @@ from jax.experimental import multihost_utils
 
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
-from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
@@ -37,43 +36,71 @@ from t5tpu.runners import (
     infer_inputs,
     prediction_files,
     results_dir,
+    run_lengths,
 )
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
+from t5tpu.storage.run_record import InputShaping, RunRecord
+from t5tpu.tasks import shaping
 from t5tpu.training import preemption, trainer
 
 
 @dataclasses.dataclass(frozen=True)
 class _Example:
-    """A record ready to decode: its ids cut to the input length (EOS kept), and whether they
-    had to be cut."""
+    """A record ready to decode: the model input its text became (None for a task's record,
+    which comes tokenized), its ids cut to the input length (EOS kept), and whether they had to
+    be cut."""
 
     record: infer_inputs.Record
+    model_input: str | None
     ids: tuple[int, ...]
     overlong: bool
 
 
-def _encoded(record: infer_inputs.Record, vocabulary, input_length: int) -> _Example:
-    """The text already in the task's format (e.g. 'question: ... context: ...'), truncated to
-    the input length with EOS kept, as the tasks' preprocessing does. A task's records come
-    tokenized and cut by the task."""
-    if record.ids is not None:
-        return _Example(record, record.ids, False)
-    encoded = engine.encode(vocabulary, record.text, input_length)
-    return _Example(record, encoded.ids, encoded.truncated)
+@dataclasses.dataclass(frozen=True)
+class _Inputs:
+    """How the texts become model inputs: shaped as the run's task shaped its training inputs
+    (`recorded`, unless INFER_EXACT_INPUTS takes them as they are), tokenized and cut to
+    `input_length` with EOS kept, as the tasks' preprocessing does."""
+
+    vocabulary: object
+    input_length: int
+    target_length: int
+    recorded: InputShaping
+    exact: bool
+
+    @property
+    def shaping(self) -> InputShaping | None:
+        return None if self.exact else self.recorded
+
+    @property
+    def exact_changes_them(self) -> bool:
+        """Whether INFER_EXACT_INPUTS gives other model inputs than the run's shaping does."""
+        return self.exact and self.recorded.changes_inputs
+
+    def example(self, record: infer_inputs.Record) -> _Example:
+        if record.ids is not None:  # a task's records come tokenized and cut by the task
+            return _Example(record, None, record.ids, False)
+        text = record.text if self.shaping is None else shaping.shape(self.shaping, record.text)
+        encoded = engine.encode(self.vocabulary, text, self.input_length)
+        return _Example(record, text, encoded.ids, encoded.truncated)
+
+    @property
+    def shown(self) -> bool:
+        """Whether the predictions show each model input beside its input."""
+        return self.shaping is not None and self.shaping.changes_inputs
 
 
-def _refuse_overlong(
-    truncation: str, source: infer_inputs.InputSource, vocabulary, input_length: int
-) -> None:
+def _refuse_overlong(truncation: str, source: infer_inputs.InputSource, inputs: _Inputs) -> None:
     """INFER_TRUNCATION='error': every input tokenized before any work, the first one that is
     too long named ('warn' truncates them as they are decoded)."""
     if truncation != "error":
         return
+    input_length = inputs.input_length
     overlong = [
         record.where
         for record in source.read()
-        if record.ids is None and _encoded(record, vocabulary, input_length).overlong
+        if record.ids is None and inputs.example(record).overlong
     ]
     if overlong:
         raise UserError(
@@ -98,24 +125,25 @@ def _warn_truncated(count: int, of: int, input_length: int) -> None:
 @dataclasses.dataclass(frozen=True)
 class _Checkpoints:
     """The checkpoints a run decodes with, each checked against the model's geometry before
-    anything is written."""
+    anything is written, and the run record of the newest (None: it records none)."""
 
     model_dir: str
     steps: list[int]
     params_shape: object
     shardings: object
+    record: RunRecord | None
 
     @classmethod
-    def checked(
-        cls, model_dir: str, checkpoint_step: int | str, *, model, partitioner, lengths
-    ) -> _Checkpoints:
+    def checked(cls, model_dir: str, checkpoint_step: int | str, model, partitioner):
         from t5tpu.formats import loader  # TensorFlow's importers: not at gin parsing
 
         steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
-        params_shape, shardings = trainer.abstract_params(model, partitioner, *lengths)
+        # Any lengths: parameters do not depend on them (relative positions).
+        params_shape, shardings = trainer.abstract_params(model, partitioner, 8, 8)
         for step in steps:
             loader.in_model_dir(model_dir, step).check_geometry(params_shape)
-        return cls(model_dir, steps, params_shape, shardings)
+        record = loader.in_model_dir(model_dir, max(steps)).run_record()
+        return cls(model_dir, steps, params_shape, shardings, record)
 
     def params(self, step: int):
         from t5tpu.formats import loader
@@ -171,9 +199,11 @@ class _Decoder:
         self._engine.warm_up(self.request, counts=[self._engine.batch_size])
         self._fill = 0
 
-    def lines(self, span: infer_chunks.Span, examples: list[_Example], stop) -> list[str] | None:
-        """One JSON line per example, in input order; None when `stop()` says so (the piece is
-        then decoded again by the next run)."""
+    def lines(
+        self, span: infer_chunks.Span, examples: list[_Example], stop, *, shown: bool
+    ) -> list[str] | None:
+        """One JSON line per example, in input order (with its model input when `shown`); None
+        when `stop()` says so (the piece is then decoded again by the next run)."""
         rows = (
             engine.Row(ex.ids, index=span.start + i, seed=self.settings.seed, tag=i)
             for i, ex in enumerate(examples)
@@ -188,18 +218,29 @@ class _Decoder:
             return None
         return [
             prediction_files.json_line(
-                ex.record.text, self.vocabulary.decode(predictions[i].tolist()), ex.record.target
+                ex.record.text,
+                self.vocabulary.decode(predictions[i].tolist()),
+                ex.record.target,
+                model_input=ex.model_input if shown else None,
             )
             for i, ex in enumerate(examples)
         ]
 
 
 def _check_settings(
-    num_examples: int | None, truncation: str, chunk: infer_chunks.Assignment
+    settings: decoding.DecodingSettings,
+    model: EncoderDecoderModel,
+    num_examples: int | None,
+    truncation: str,
+    chunk: infer_chunks.Assignment,
+    exact: bool,
 ) -> None:
     """The macros' own limits (config.macro_limits) again, for values bound to infer.* directly,
-    and what no single macro can check: the shard among the shards."""
+    and what no single macro can check: the shard among the shards, TOP_K within the model's
+    vocabulary."""
+    settings.check(model.config.vocab_size)
     validators.optional(validators.whole(low=1)).check("INFER_NUM_EXAMPLES", num_examples)
+    validators.boolean().check("INFER_EXACT_INPUTS", exact)
     validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", truncation)
     validators.whole(low=1).check("INFER_CHUNK_SIZE", chunk.chunk_size)
     validators.whole(low=1).check("INFER_NUM_SHARDS", chunk.num_shards)
@@ -235,11 +276,16 @@ class _Run:
     """What every checkpoint step of one infer run shares."""
 
     source: infer_inputs.InputSource
+    inputs: _Inputs
     decoder: _Decoder
     assignment: infer_chunks.Assignment
     settings: decoding.DecodingSettings
     num_examples: int | None
-    folder: str
+    output_dir: str  # INFER_OUTPUT_DIR, else MODEL_DIR
+
+    @property
+    def folder(self) -> str:
+        return paths.inference_dir(self.output_dir)
 
     def manifest(self, step: int) -> dict:
         """Everything a chunk's predictions depend on: chunks made under other values are
@@ -251,6 +297,7 @@ class _Run:
             "lengths": [self.decoder.input_length, self.decoder.lengths[1]],
             "batch_size": self.decoder.batch_size,
             "chunk_size": self.assignment.chunk_size,
+            "shaping": self.inputs.shaping.record() if self.inputs.shaping else "exact",
         }
 
 
@@ -264,9 +311,9 @@ def _decode_chunks(run: _Run, store, progress, watch) -> tuple[int, int, bool]:
     truncated = 0
     pieces = infer_chunks.pieces(records, assignment=run.assignment, done=done)
     for number, (span, piece) in enumerate(pieces):
-        examples = [_encoded(r, run.decoder.vocabulary, run.decoder.input_length) for r in piece]
+        examples = [run.inputs.example(record) for record in piece]
         truncated += sum(ex.overlong for ex in examples)
-        lines = run.decoder.lines(span, examples, stop=watch.requested)
+        lines = run.decoder.lines(span, examples, stop=watch.requested, shown=run.inputs.shown)
         if lines is None:
             return records.count, truncated, True
         if writer:
@@ -287,6 +334,7 @@ def _decode_step(run: _Run, restorable: _Checkpoints, step: int, watch) -> str |
         num_examples=run.num_examples,
         settings=run.settings,
         inputs=infer_inputs.Texts(run.source),
+        exact_inputs=run.inputs.exact_changes_them,
     )
     store = infer_chunks.ChunkStore(path, run.manifest(step))
     run.decoder.use(restorable.params(step))
@@ -368,7 +416,7 @@ def infer(
     *,
     model_dir: str,
     model: EncoderDecoderModel,
-    task_feature_lengths: dict,
+    task_feature_lengths: dict | None = None,
     input_file: str | None = None,
     inputs: list[str] | None = None,
     mixture_or_task_name: str | None = None,
@@ -387,40 +435,70 @@ def infer(
     mixture_or_task_module: str | None = None,
     output_dir: str | None = None,
     truncation: str = "warn",
+    exact_inputs: bool = False,
     partitioner: Partitioner | None = None,
 ) -> list[str]:
     """Decodes INFER_INPUTS (texts from gin or the command line), else INFER_INPUT_FILE (one per
     line), else the task's split: the first `num_examples` (None: all), `chunk_size` at a time,
-    the chunks of shard `shard_id` of `num_shards`. Predictions go to `output_dir`
-    (INFER_OUTPUT_DIR), else MODEL_DIR. Returns the files written."""
+    the chunks of shard `shard_id` of `num_shards`, into `output_dir` (INFER_OUTPUT_DIR), else
+    MODEL_DIR; texts shaped as the run's task shaped its inputs (_Inputs). Returns the files."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
-    settings.check(model.config.vocab_size)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
-    _check_settings(num_examples, truncation, assignment)
+    _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
-    lengths = pipeline.model_lengths(task_feature_lengths)
-    source = infer_inputs.chosen(
-        inputs=inputs,
-        input_file=input_file,
-        task_name=mixture_or_task_name,
+    # Given texts are read first (a bad file refused); a task's split at the run's lengths.
+    given = infer_inputs.given(inputs=inputs, input_file=input_file, num_examples=num_examples)
+    restorable = _Checkpoints.checked(model_dir, checkpoint_step, model, partitioner)
+    texts = _texts(restorable.record, task_feature_lengths, model.vocabulary, exact_inputs)
+    source = given or infer_inputs.from_task_named(
+        mixture_or_task_name,
         task_module=mixture_or_task_module,
         split=split,
-        feature_lengths=task_feature_lengths,
+        feature_lengths={"inputs": texts.input_length, "targets": texts.target_length},
         num_examples=num_examples,
     )
-    _refuse_overlong(truncation, source, model.vocabulary, lengths[0])
-    restorable = _Checkpoints.checked(
-        model_dir, checkpoint_step, model=model, partitioner=partitioner, lengths=lengths
-    )
+    _refuse_overlong(truncation, source, texts)
+    _say(_plan(texts, from_task=given is None))
     decoder = _Decoder(
         model=model,
         partitioner=partitioner,
         param_shardings=restorable.shardings,
         settings=settings,
-        lengths=lengths,
+        lengths=(texts.input_length, texts.target_length),
         batch_size=batch_size,
     )
-    run = _Run(source, decoder, assignment, settings, num_examples, paths.inference_dir(output_dir))
+    run = _Run(source, texts, decoder, assignment, settings, num_examples, output_dir)
     return _decode_each(run, restorable, output_dir)
+
+
+def _texts(record: RunRecord | None, told: dict | None, vocabulary, exact: bool) -> _Inputs:
+    """How texts become model inputs: the lengths TASK_FEATURE_LENGTHS gives, else the run's,
+    and the run's shaping (exact: none)."""
+    lengths = run_lengths.chosen(
+        told, record, setting="TASK_FEATURE_LENGTHS", say=_say, default=None
+    )
+    recorded = record.shaping if record else InputShaping()
+    return _Inputs(vocabulary, *lengths, recorded, exact=exact)
+
+
+def _say(message: str) -> None:
+    if jax.process_index() == 0:
+        print(message, flush=True)
+
+
+def _plan(texts: _Inputs, *, from_task: bool) -> str:
+    """What infer does with the inputs, in one line."""
+    if from_task:
+        shaped = "made by the task"
+    elif texts.exact:
+        shaped = "taken as given (INFER_EXACT_INPUTS)"
+    else:
+        shaped = shaping.describe(texts.recorded)
+        if texts.recorded.changes_inputs:
+            shaped += " as the run's task did (INFER_EXACT_INPUTS=True takes them as given)"
+    return (
+        f"infer: inputs of up to {texts.input_length} tokens, {shaped}; outputs of up to "
+        f"{texts.target_length}"
+    )

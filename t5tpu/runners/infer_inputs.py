@@ -208,21 +208,21 @@ def from_task(
     return InputSource(f"{task_name}_{split}", fingerprint, None, read)
 
 
-def chosen(
-    *,
-    inputs: list[str] | str | None,
-    input_file: str | None,
-    task_name: str | None,
-    task_module: str | None,
-    split: str,
-    feature_lengths,
-    num_examples: int | None,
-) -> InputSource:
-    """INFER_INPUTS if given, else INFER_INPUT_FILE, else the task's split."""
+def given(
+    *, inputs: list[str] | str | None, input_file: str | None, num_examples: int | None
+) -> InputSource | None:
+    """INFER_INPUTS if given, else INFER_INPUT_FILE, else None (a task's split is decoded)."""
     if inputs:
         return from_texts(inputs, num_examples)
     if input_file:
         return from_files(input_file, num_examples)
+    return None
+
+
+def from_task_named(
+    task_name: str | None, *, task_module: str | None, split: str, feature_lengths, num_examples
+) -> InputSource:
+    """The task's split, when no texts are given."""
     if task_name:
         return from_task(task_name, task_module, split, feature_lengths, num_examples)
     raise UserError("nothing to infer: set INFER_INPUTS, INFER_INPUT_FILE or MIXTURE_OR_TASK_NAME")

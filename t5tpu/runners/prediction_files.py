@@ -26,8 +26,10 @@ def file_name(
     step: int,
     num_examples: int | None,
     settings: decoding.DecodingSettings,
+    exact_inputs: bool = False,
 ) -> str:
-    """<source>-<step>[-first<N>][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl.
+    """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl
+    (-exact: INFER_EXACT_INPUTS where the run's shaping would change the inputs).
 
     Every setting that changes the predictions is in the name, so decoding the same inputs
     another way never replaces earlier predictions, while the same command (deterministic, seed
@@ -35,6 +37,8 @@ def file_name(
     name = f"{source}-{step}"
     if num_examples is not None:
         name += f"-first{num_examples}"
+    if exact_inputs:
+        name += "-exact"
     if settings.num_beams > 1:
         name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
     elif settings.samples:
@@ -92,14 +96,22 @@ def predictions_path(
     num_examples: int | None,
     settings: decoding.DecodingSettings,
     inputs: Iterable[str],
+    exact_inputs: bool = False,
 ) -> str:
     """Where the predictions of `inputs` at `step` go in `folder` (see the module docstring)."""
-    return own_file(os.path.join(folder, file_name(source, step, num_examples, settings)), inputs)
+    name = file_name(source, step, num_examples, settings, exact_inputs)
+    return own_file(os.path.join(folder, name), inputs)
 
 
-def json_line(text: str, prediction: str, target: str | None = None) -> str:
-    """One line of a predictions file: {"input", "prediction"} and "target" when known."""
-    row = {"input": text, "prediction": prediction}
+def json_line(
+    text: str, prediction: str, target: str | None = None, *, model_input: str | None = None
+) -> str:
+    """One line of a predictions file: {"input", "prediction"}, "target" when known, and
+    "model_input" (the input as the model's task shaped it) when the inputs were shaped."""
+    row = {"input": text}
+    if model_input is not None:
+        row["model_input"] = model_input
+    row["prediction"] = prediction
     if target is not None:
         row["target"] = target
     return json.dumps(row, ensure_ascii=False) + "\n"

@@ -29,6 +29,7 @@ import contextlib
 import dataclasses
 import errno
 import os
+import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -38,7 +39,7 @@ import numpy as np
 from etils import epath
 from jax.experimental import multihost_utils
 
-from t5tpu.config import gin_setup
+from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import availability, pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
@@ -49,8 +50,9 @@ from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, remote
 from t5tpu.storage import model_dir as paths
+from t5tpu.storage.run_record import DecodingDefaults, RunRecord
 from t5tpu.storage.writer_lock import WriterLock
-from t5tpu.tasks import registry
+from t5tpu.tasks import registry, shaping
 from t5tpu.training import trainer
 from t5tpu.training.preemption import PreemptionWatch
 from t5tpu.training.progress import Progress
@@ -186,6 +188,22 @@ def _check_data(data: InputSettings, task_module: str | None, evals: EvalSetting
         availability.check_readable(data.task_name, evals.split, "EVAL_SPLIT")
 
 
+def _run_record(data: InputSettings) -> RunRecord:
+    """What this run decides about its model's inputs and outputs, saved with every checkpoint
+    for the front ends: the task, its lengths and input shaping, and the decoding eval and
+    infer use (NUM_BEAMS, TEMPERATURE, TOP_K, infer.beam_alpha and infer.random_seed)."""
+    bound = runner_settings.bound_settings("infer", runner_settings.InferSettings)
+    decoding = DecodingDefaults(
+        num_beams=bound.num_beams,
+        temperature=float(bound.temperature),
+        top_k=bound.top_k,
+        beam_alpha=float(bound.beam_alpha),
+        seed=bound.random_seed,
+    )
+    lengths = pipeline.model_lengths(data.task_feature_lengths)
+    return shaping.record_for_run(data.task_name, lengths, decoding)
+
+
 def _initial_checkpoint(
     resume: checkpoints.ResumePoint | None, initial_path: str | None
 ) -> Checkpoint | None:
@@ -267,8 +285,27 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     return _fresh_state(setup=setup, seed=seed, start=start)
 
 
+def _warn_unused_rows(model: EncoderDecoderModel, start: StartPoint) -> None:
+    """A pretrained embedding far larger than the vocabulary bound here (T5X's 32,128 rows with
+    the bundled 1,024 pieces): its rows were learned for another vocabulary's pieces, so the
+    fine-tuning starts from ids that mean other words. Published vocabularies are padded to a
+    multiple of 128 rows, which is no mismatch."""
+    rows, ids = model.config.vocab_size, model.vocabulary.vocab_size
+    if start.initial_checkpoint is None or rows <= -(-ids // 128) * 128:
+        return
+    print(
+        f"t5tpu: warning: INITIAL_CHECKPOINT_PATH's embedding has {rows:,} rows but the "
+        f"vocabulary bound here has {ids:,} ids: the pretrained rows belong to another "
+        "vocabulary's pieces; bind the checkpoint's own (default_vocabulary."
+        "sentencepiece_model_file) unless you mean to train new embeddings",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def _step_setup(*, settings, mngr, start: StartPoint, **parts):
     """StepSetup of a full fine-tuning run, or adapted_run's of a LoRA run (`settings`)."""
+    _warn_unused_rows(parts["model"], start)
     adapted_run.check_resumable(mngr, start.resume, settings)
     if settings is None:
         return StepSetup.build(**parts)
@@ -338,6 +375,7 @@ def _train_steps(
         dropout_seed=data.seed + 1,
         periods=periods,
         checkpoint_dtype=checkpoint_dtype,
+        record=_run_record(data),
     )
 
 
@@ -354,6 +392,7 @@ def _run_loop(
     dropout_seed: int,
     periods: Periods,
     checkpoint_dtype: str,
+    record: RunRecord,
 ) -> trainer.TrainState:
     """Records the run as started, then trains from `state` on inputs already built."""
     from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
@@ -374,7 +413,7 @@ def _run_loop(
         config=config,
         # Found unreadable by resume_point: replaced when their steps are saved again.
         damaged_steps=start.resume.damaged_steps if start.resume else (),
-        metadata=setup.checkpoint_metadata(),
+        metadata={**setup.checkpoint_metadata(), **record.metadata()},
     )
     loop = TrainLoop(
         model_dir=model_dir,
@@ -390,13 +429,23 @@ def _run_loop(
         evaluator=evaluator,
         preemption=PreemptionWatch(),
     )
+    _announce(first_step, start=start, setup=setup, record=record)
+    return loop.run(state)
+
+
+def _announce(first_step: int, *, start: StartPoint, setup: StepSetup, record: RunRecord) -> None:
     print(
         f"training steps {first_step}..{start.last_step} on {jax.device_count()} device(s), mesh "
         f"{dict(setup.partitioner.mesh.shape)}, input from batch "
         f"{max(first_step - start.input_start_step, 0)}",
         flush=True,
     )
-    return loop.run(state)
+    print(
+        f"the run record, saved with each checkpoint for infer, t5tpu.load and serve: inputs of "
+        f"up to {record.input_length} tokens, {shaping.describe(record.shaping)}; outputs of up "
+        f"to {record.target_length}",
+        flush=True,
+    )
 
 
 def _checked_partitioner(

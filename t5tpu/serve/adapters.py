@@ -26,9 +26,10 @@ from t5tpu.errors import UserError
 from t5tpu.model import lora, precision
 from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
-from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints
+from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints, run_record
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage.run_record import RunRecord
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
@@ -41,6 +42,7 @@ class AdapterCheckpoint:
     model_dir: str
     step: int
     record: AdapterRecord
+    run: RunRecord | None = None  # the LoRA run's record: its task, lengths, input shaping
 
     @property
     def path(self) -> str:
@@ -75,13 +77,14 @@ def open_adapter(text: str) -> AdapterCheckpoint:
             f"--adapter {name}={given} is not a t5tpu MODEL_DIR or checkpoint_N; give a LoRA run's"
         )
     model_dir = os.path.dirname(path)
-    record = adapted_checkpoints.record_of(checkpoints.manager(model_dir, read_only=True), step)
+    mngr = checkpoints.manager(model_dir, read_only=True)
+    record = adapted_checkpoints.record_of(mngr, step)
     if record is None:
         raise UserError(
             f"--adapter {name}={given} is a full model's checkpoint, not a LoRA run's: serve it "
             "on its own with --model"
         )
-    return AdapterCheckpoint(name, model_dir, step, record)
+    return AdapterCheckpoint(name, model_dir, step, record, run_record.record_of(mngr, step))
 
 
 def open_adapters(texts: Sequence[str]) -> tuple[AdapterCheckpoint, ...]:

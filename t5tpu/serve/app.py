@@ -3,11 +3,16 @@ batcher and wait for them, answering every failure as {"error": "<one line>"} wi
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
                                                "parameters": {num_beams, max_length,
-                                               temperature, top_k, seed, task, adapter}}
+                                               temperature, top_k, seed, task,
+                                               exact_inputs, adapter}}
     POST /v1/score                            {"instances": [{"input": ..., "target": ...}],
-                                               "parameters": {task, adapter}}
+                                               "parameters": {task, exact_inputs, adapter}}
     POST /v1/<route>                          each route the tasks offer (task_calls.py):
                                                {"instances": [{<its fields>}], "parameters"}
+
+Inputs are shaped as the model's run shaped its training inputs (text_to_text's INPUT_PREFIX,
+Quora's lower-casing) unless "exact_inputs" is true; a task route refuses a model trained on
+another task with a 400 unless "check_task" is false.
     GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503;
                                                {"status", "adapters": [names]} (--adapter)
     GET  /metrics                             Prometheus text format (serve_metrics.py)
@@ -130,32 +135,37 @@ class Service:
             encoded.append(ids)
         return encoded
 
-    def _inputs(self, texts, task: str | None, where: str) -> tuple[list[str], Route | None]:
-        """The texts in the words of `task` (a task offering the predict route), if named."""
-        route = self.tasks.formatting(task, where)
-        if route is None:
-            return list(texts), None
-        return self.tasks.prompts(route, [{INPUT: text} for text in texts]), route
+    def _inputs(self, texts, request, where: str) -> tuple[list[str], Route | None]:
+        """The model inputs of a request's texts: in the words of its "task" (a task offering
+        the predict route) if it names one, then shaped as the model's (or its adapter's) run
+        shaped its training inputs unless "exact_inputs"."""
+        route = self.tasks.formatting(request.task, where)
+        if route is not None:
+            texts = self.tasks.prompts(route, [{INPUT: text} for text in texts])
+        runs = self._worker().runs
+        return runs.model_inputs(texts, adapter=request.adapter, exact=request.exact_inputs), route
 
     def prepare_predict(self, body: bytes) -> _Prepared:
         worker = self._worker()
         request = payloads.predict_request(
-            payloads.parse_json(body), defaults=worker.defaults, limits=self._limits(worker)
+            payloads.parse_json(body), defaults=worker.runs.defaults, limits=self._limits(worker)
         )
-        texts, route = self._inputs(request.texts, request.task, "/v1/predict")
+        texts, route = self._inputs(request.texts, request, "/v1/predict")
         warnings: list[str] = []
-        encoded = self._encoded(
-            texts, limit=worker.max_input_length, what="input", first=0, warnings=warnings
-        )
+        limit = worker.runs.input_length(request.adapter)
+        encoded = self._encoded(texts, limit=limit, what="input", first=0, warnings=warnings)
         rows = _decode_rows(worker, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, route)
 
     def prepare_score(self, body: bytes) -> _Prepared:
         worker = self._worker()
         request = payloads.score_request(payloads.parse_json(body), limits=self._limits(worker))
-        formatted, _ = self._inputs(request.inputs, request.task, "/v1/score")
+        formatted, _ = self._inputs(request.inputs, request, "/v1/score")
         warnings: list[str] = []
-        limits = {"input": worker.max_input_length, "target": worker.max_target_length}
+        limits = {
+            "input": worker.runs.input_length(request.adapter),
+            "target": worker.runs.defaults(request.adapter).max_length,
+        }
         inputs, targets = (
             self._encoded(texts, limit=limits[what], what=what, first=0, warnings=warnings)
             for texts, what in ((formatted, "input"), (request.targets, "target"))
@@ -173,13 +183,20 @@ class Service:
         offers = self.tasks.offers(name, "POST")
         self.route_names.setdefault(f"/v1/{name}", name)
         request = payloads.task_request(
-            offers, payloads.parse_json(body), defaults=worker.defaults, limits=self._limits(worker)
+            offers,
+            payloads.parse_json(body),
+            defaults=worker.runs.defaults,
+            limits=self._limits(worker),
+            model_tasks=worker.runs.tasks,
         )
-        prompts = self.tasks.prompts(request.route, request.instances)
+        prompts = worker.runs.model_inputs(
+            self.tasks.prompts(request.route, request.instances),
+            adapter=request.adapter,
+            exact=request.exact_inputs,
+        )
         warnings: list[str] = []
-        encoded = self._encoded(
-            prompts, limit=worker.max_input_length, what="prompt", first=0, warnings=warnings
-        )
+        limit = worker.runs.input_length(request.adapter)
+        encoded = self._encoded(prompts, limit=limit, what="prompt", first=0, warnings=warnings)
         rows = _decode_rows(worker, encoded, request.decoding, request.adapter)
         return _Prepared(rows, warnings, request, request.route)
 

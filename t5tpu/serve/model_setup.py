@@ -4,9 +4,11 @@ loaded; then the loading itself (in the model's worker thread).
 
 The model is the first of: --model (a MODEL_DIR, a checkpoint_N directory, a Hugging Face T5
 directory or a T5X / Mesh TF checkpoint), MODEL_DIR bound in gin (at CHECKPOINT_STEP), and
-AIP_STORAGE_URI (where Vertex AI copied the model's artifacts). Lengths come from the flags, else
-TASK_FEATURE_LENGTHS, else t5tpu.load's defaults; the decoding defaults from NUM_BEAMS,
-TEMPERATURE, TOP_K and infer.beam_alpha / infer.random_seed; what to do with long inputs from
+AIP_STORAGE_URI (where Vertex AI copied the model's artifacts). How it answers is the run's (its
+run record, storage/run_record.py): lengths come from the flags, else TASK_FEATURE_LENGTHS,
+else the run's, else t5tpu.load's defaults; each decoding default from NUM_BEAMS, TEMPERATURE,
+TOP_K, infer.beam_alpha and infer.random_seed where the gin files bind it, else the run's; inputs
+are shaped as the run's task shaped its training inputs; what to do with long inputs comes from
 INFER_TRUNCATION. LoRA adapters (--adapter) are opened and checked against the model here too
 (serve/adapters.py), so a wrong one is refused before the server listens.
 """
@@ -20,16 +22,15 @@ from collections.abc import Callable
 
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
-from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
+from t5tpu.runners import run_lengths
 from t5tpu.serve import adapters as lora_adapters
-from t5tpu.serve.model_worker import ModelWorker
+from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
 from t5tpu.serve.payloads import Decoding
+from t5tpu.storage.run_record import DecodingDefaults, RunRecord
 
 STORAGE_URI = "AIP_STORAGE_URI"
-# t5tpu.load's own defaults, for a model served without TASK_FEATURE_LENGTHS.
-DEFAULT_LENGTHS = (512, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +53,8 @@ class ModelSetup:
     beam_alpha: float
     truncation: str
     adapters: tuple[lora_adapters.AdapterCheckpoint, ...] = ()
+    # How the model (None) and each adapter answer: its run's record, lengths and defaults.
+    answering: dict[str | None, Answering] = dataclasses.field(default_factory=dict)
 
 
 def _step(checkpoint_step) -> int | None:
@@ -98,42 +101,36 @@ def model_setup(
     truncation: str | None,
     environ: dict,
     adapters: tuple[str, ...] = (),
+    say: Callable[[str], None] = print,
 ) -> ModelSetup:
-    """The setup the flags, gin files and environment describe, checked; reads no parameters
-    (only the adapters' records and the files' fingerprints). With adapters (NAME=PATH) and no
-    model named, the model is the first adapter's base."""
+    """The setup the flags, gin files, environment and the model's run record describe,
+    checked; reads no parameters (only records and the files' fingerprints). With adapters
+    (NAME=PATH) and no model named, the model is the first adapter's base."""
     _parse_gin(gin_flags)
     bound = runner_settings.bound_settings("infer", runner_settings.InferSettings)
-    gin_lengths = (
-        pipeline.model_lengths(bound.task_feature_lengths)
-        if bound.task_feature_lengths
-        else DEFAULT_LENGTHS
-    )
-    input_length, target_length = (
-        validators.whole(low=1).check(name, given or default)
-        for name, given, default in zip(
-            ("--max_input_length", "--max_target_length"), lengths, gin_lengths, strict=True
-        )
-    )
     opened = lora_adapters.open_adapters(adapters)
     if opened and not (model or bound.model_dir or environ.get(STORAGE_URI)):
         model = opened[0].record.base.path  # no model named: the adapters' base
+    path = _path(model, bound.model_dir, environ)
+    step = None if model else _step(bound.checkpoint_step)
+    record = _run_record(path, step)
+    # A base that records no run (a pretrained import) answers at its first adapter's lengths.
+    sized = record or (opened[0].run if opened else None)
+    told = (lengths, bound.task_feature_lengths)
+    answering = {None: _answering(record, sized, told, say)}
+    answering.update((a.name, _answering(a.run, a.run, told, say)) for a in opened)
     setup = ModelSetup(
-        path=_path(model, bound.model_dir, environ),
-        step=None if model else _step(bound.checkpoint_step),
+        path=path,
+        step=step,
         gin=gin_flags,
-        max_input_length=input_length,
-        max_target_length=target_length,
-        defaults=Decoding(
-            num_beams=bound.num_beams,
-            max_length=target_length,
-            temperature=float(bound.temperature),
-            top_k=bound.top_k,
-            seed=bound.random_seed,
-        ),
-        beam_alpha=float(bound.beam_alpha),
+        # The engine's: the longest any of them takes.
+        max_input_length=max(a.input_length for a in answering.values()),
+        max_target_length=max(a.defaults.max_length for a in answering.values()),
+        defaults=answering[None].defaults,
+        beam_alpha=_bound_or("beam_alpha", sized.decoding.beam_alpha if sized else 0.6),
         truncation=truncation or bound.truncation,
         adapters=opened,
+        answering=answering,
     )
     validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
@@ -142,6 +139,49 @@ def model_setup(
 
         lora_adapters.check_base(opened, loading.checkpoint_path(setup.path, setup.step))
     return setup
+
+
+def _run_record(path: str, step: int | None) -> RunRecord | None:
+    from t5tpu.formats import loader
+
+    return loader.open_checkpoint(path, step=step, setting="--model").run_record()
+
+
+def _answering(record: RunRecord | None, sized: RunRecord | None, told, say) -> Answering:
+    """How a model whose run is `record` answers: at the lengths `told` (the flags', each, else
+    TASK_FEATURE_LENGTHS'), else `sized`'s, with its decoding defaults."""
+    flags, gin_lengths = told
+    input_length, target_length = _lengths(flags, gin_lengths, sized, say)
+    return Answering(record, input_length, _defaults(sized, target_length))
+
+
+def _lengths(flags, told, record, say) -> tuple[int, int]:
+    """The flags' lengths, each else TASK_FEATURE_LENGTHS', else the run's (run_lengths)."""
+    chosen = run_lengths.chosen(told, record, setting="TASK_FEATURE_LENGTHS", say=say)
+    return tuple(
+        validators.whole(low=1).check(name, default if given is None else given)
+        for name, given, default in zip(
+            ("--max_input_length", "--max_target_length"), flags, chosen, strict=True
+        )
+    )
+
+
+def _bound_or(argument: str, recorded):
+    """infer.`argument` where the gin files bind it, else the run's `recorded` value."""
+    value = gin_setup.bound_value(f"infer.{argument}")
+    return recorded if value is None else value
+
+
+def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
+    """Each decoding default from the gin files where they bind it, else from the run."""
+    run = record.decoding if record else DecodingDefaults()
+    return Decoding(
+        num_beams=_bound_or("num_beams", run.num_beams),
+        max_length=target_length,
+        temperature=float(_bound_or("temperature", run.temperature)),
+        top_k=_bound_or("top_k", run.top_k),
+        seed=_bound_or("random_seed", run.seed),
+    )
 
 
 def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
@@ -184,4 +224,5 @@ def load_worker(
         defaults=setup.defaults,
         beam_alpha=setup.beam_alpha,
         adapters=served,
+        runs=Runs(setup.answering) if setup.answering else None,
     )

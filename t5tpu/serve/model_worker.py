@@ -28,6 +28,8 @@ from t5tpu.model.engine import Encoded, Engine, Request, Row
 from t5tpu.serve.adapters import ServedAdapters
 from t5tpu.serve.batcher import GroupFeed
 from t5tpu.serve.payloads import Decoding
+from t5tpu.storage.run_record import RunRecord
+from t5tpu.tasks import shaping
 
 # A decoding batch looks for newly queued rows of its group at least this many steps apart.
 _POLL_STEPS = 8
@@ -81,6 +83,44 @@ class _QueuedRows:
         return [dataclasses.replace(t.item, tag=t) for t in taken]  # answered through `tag`
 
 
+@dataclasses.dataclass(frozen=True)
+class Answering:
+    """How one served model (the base, or an adapter) answers: as its run trained it (`record`;
+    None: one that records none), its inputs cut to `input_length`, decoded with `defaults`
+    (max_length: its target length) unless a request says otherwise."""
+
+    record: RunRecord | None
+    input_length: int
+    defaults: Decoding
+
+
+class Runs:
+    """How the served model (None) and each adapter answer: the tasks each was trained on, how
+    each shapes and cuts its inputs, its decoding defaults."""
+
+    def __init__(self, answering: dict[str | None, Answering]):
+        self._answering = answering
+
+    def tasks(self, adapter: str | None) -> tuple[str, ...]:
+        """The tasks the base's run (or `adapter`'s) trained on; () when it does not say."""
+        run = self._answering[adapter].record
+        return run.tasks if run else ()
+
+    def model_inputs(self, texts, *, adapter: str | None, exact: bool) -> list[str]:
+        """The texts as the base's run (or `adapter`'s) shaped its training inputs; `exact`
+        (the "exact_inputs" parameter): as they are."""
+        run = self._answering[adapter].record
+        if exact or run is None:
+            return list(texts)
+        return [shaping.shape(run.shaping, text) for text in texts]
+
+    def input_length(self, adapter: str | None) -> int:
+        return self._answering[adapter].input_length
+
+    def defaults(self, adapter: str | None) -> Decoding:
+        return self._answering[adapter].defaults
+
+
 class ModelWorker:
     """A loaded T5Model's engine, and its LoRA adapters' if any, run group by group for the
     server."""
@@ -93,8 +133,13 @@ class ModelWorker:
         defaults: Decoding,
         beam_alpha=0.6,
         adapters: ServedAdapters | None = None,
+        runs: Runs | None = None,
     ):
+        """`defaults`: the served model's own, whose programs are compiled at warm-up; `runs`:
+        how it and each adapter answer (default: the model's run, at the model's lengths)."""
         self.vocabulary = model.vocabulary
+        base = Answering(model.run_record, model.shapes.max_input_length, defaults)
+        self.runs = runs or Runs({None: base})
         self.vocab_size = model.model.config.vocab_size
         self.max_input_length = model.shapes.max_input_length
         self.max_target_length = model.shapes.max_target_length

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from t5tpu import validators
 from t5tpu.tasks.serving import Field, Route
@@ -26,6 +26,11 @@ DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "seed"
 TASK = "task"
 # The parameter naming the LoRA adapter a request runs with (a server started with --adapter).
 ADAPTER = "adapter"
+# true: the texts are the model's inputs as they are, not shaped as the run's task did (the
+# name `t5tpu infer` (INFER_EXACT_INPUTS) and t5tpu.load's predict give the same switch).
+EXACT_INPUTS = "exact_inputs"
+# false: a task route asks a model trained on another task all the same.
+CHECK_TASK = "check_task"
 _INPUT, _TARGET = Field("input"), Field("target")
 
 
@@ -76,6 +81,7 @@ class PredictRequest:
     decoding: Decoding
     task: str | None = None
     adapter: str | None = None
+    exact_inputs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,17 +92,20 @@ class ScoreRequest:
     targets: tuple[str, ...]
     task: str | None = None
     adapter: str | None = None
+    exact_inputs: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class TaskRequest:
-    """A task route's request: the route its "task" parameter chose, each instance's values by
-    field name, and the decoding settings."""
+    """A task route's request: the route its "task" parameter chose (else the one of the task
+    the model was trained on), each instance's values by field name, and the decoding
+    settings."""
 
     route: Route
     instances: tuple[dict, ...]
     decoding: Decoding
     adapter: str | None = None
+    exact_inputs: bool = False
 
 
 def parse_json(body: bytes) -> dict:
@@ -229,6 +238,13 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
     return decoding
 
 
+def _flag(parameters: dict, name: str, default: bool) -> bool:
+    value = parameters.pop(name, default)
+    if not validators.boolean().accepts(value):
+        raise PayloadError(f"parameter {name} = {json.dumps(value)} must be true or false")
+    return value
+
+
 def _task(parameters: dict) -> str | None:
     task = parameters.pop(TASK, None)
     if task is not None and not isinstance(task, str):
@@ -247,71 +263,101 @@ def _adapter(parameters: dict, limits: Limits) -> str | None:
     return adapter
 
 
-def predict_request(payload: dict, *, defaults: Decoding, limits: Limits) -> PredictRequest:
-    """/v1/predict's request: strings, or {"input": ...} objects (all of one kind)."""
+def predict_request(
+    payload: dict, *, defaults: Callable[[str | None], Decoding], limits: Limits
+) -> PredictRequest:
+    """/v1/predict's request: strings, or {"input": ...} objects (all of one kind); `defaults`
+    gives the decoding defaults of the model or the adapter the request names."""
     instances = _instances(payload, limits)
     objects = isinstance(instances[0], dict)
     if objects:
         texts = [_fields(x, f"instances[{i}]", (_INPUT,))["input"] for i, x in enumerate(instances)]
     else:
         texts = [_text(x, f"instances[{i}]") for i, x in enumerate(instances)]
-    parameters = dict(_parameters(payload, limits.with_adapter((*DECODING_PARAMETERS, TASK))))
+    allowed = (*DECODING_PARAMETERS, TASK, EXACT_INPUTS)
+    parameters = dict(_parameters(payload, limits.with_adapter(allowed)))
     task, adapter = _task(parameters), _adapter(parameters, limits)
-    decoding = _decoding(parameters, defaults, limits)
+    exact = _flag(parameters, EXACT_INPUTS, False)
+    decoding = _decoding(parameters, defaults(adapter), limits)
     return PredictRequest(
-        texts=tuple(texts), objects=objects, decoding=decoding, task=task, adapter=adapter
+        texts=tuple(texts),
+        objects=objects,
+        decoding=decoding,
+        task=task,
+        adapter=adapter,
+        exact_inputs=exact,
     )
 
 
 def score_request(payload: dict, *, limits: Limits) -> ScoreRequest:
-    """/v1/score's request: {"input": ..., "target": ...} objects; "task" (and "adapter") the
-    only parameters."""
+    """/v1/score's request: {"input": ..., "target": ...} objects; "task", "exact_inputs" (and
+    "adapter") the only parameters."""
     instances = _instances(payload, limits)
-    parameters = dict(_parameters(payload, limits.with_adapter((TASK,))))
+    parameters = dict(_parameters(payload, limits.with_adapter((TASK, EXACT_INPUTS))))
     task, adapter = _task(parameters), _adapter(parameters, limits)
+    exact = _flag(parameters, EXACT_INPUTS, False)
     pairs = [_fields(x, f"instances[{i}]", (_INPUT, _TARGET)) for i, x in enumerate(instances)]
     return ScoreRequest(
         inputs=tuple(pair["input"] for pair in pairs),
         targets=tuple(pair["target"] for pair in pairs),
         task=task,
         adapter=adapter,
+        exact_inputs=exact,
     )
 
 
-def choose(offers: Sequence[Route], task: str | None, where: str) -> Route:
+def choose(
+    offers: Sequence[Route], task: str | None, where: str, model_tasks: tuple[str, ...] = ()
+) -> Route:
     """The route of `offers` (one name, several tasks) that parameter "task" names, by default
-    the first."""
+    the one of a task the model was trained on (`model_tasks`), else the first."""
     if task is None:
-        return offers[0]
+        trained = [route for route in offers if any(route.serves(t) for t in model_tasks)]
+        return (trained or list(offers))[0]
     for route in offers:
         if route.task == task:
             return route
     given = f"parameter {TASK}={json.dumps(task)}"
     if not offers:
         raise PayloadError(
-            f"{given}: no task here formats {where}'s input; leave it out, or serve with the "
-            "gin files of a text-to-text task"
+            f"{given}: no task here formats {where}'s input; leave it out (the model shapes "
+            "its inputs as its run did), or serve with the gin files naming your task module"
         )
     tasks = ", ".join(route.task for route in offers)
     raise PayloadError(f"{given} must be one of {tasks} ({where})")
 
 
 def task_request(
-    offers: Sequence[Route], payload: dict, *, defaults: Decoding, limits: Limits
+    offers: Sequence[Route],
+    payload: dict,
+    *,
+    defaults: Callable[[str | None], Decoding],
+    limits: Limits,
+    model_tasks: Callable[[str | None], tuple[str, ...]],
 ) -> TaskRequest:
     """A task route's request. The route takes the decoding parameters unless it fixes its own
-    settings, and "task" when several tasks offer it."""
+    settings, "task" when several tasks offer it, "check_task" and "exact_inputs". A model (or
+    adapter) whose run trained on another task (`model_tasks(adapter)`) is refused with a 400
+    unless "check_task" is false."""
     instances = _instances(payload, limits)
     decodes_as_declared = all(route.decoding is not None for route in offers)
     allowed = () if decodes_as_declared else DECODING_PARAMETERS
     if len(offers) > 1:
         allowed = (*allowed, TASK)
+    allowed = (*allowed, CHECK_TASK, EXACT_INPUTS)
     parameters = dict(_parameters(payload, limits.with_adapter(allowed)))
-    route = choose(offers, _task(parameters), f"/v1/{offers[0].name}")
-    adapter = _adapter(parameters, limits)
+    task, adapter = _task(parameters), _adapter(parameters, limits)
+    trained_on = model_tasks(adapter)
+    route = choose(offers, task, f"/v1/{offers[0].name}", trained_on)
     values = tuple(_fields(x, f"instances[{i}]", route.fields) for i, x in enumerate(instances))
+    problem = _flag(parameters, CHECK_TASK, True) and route.mismatch(trained_on)
+    if problem:
+        raise PayloadError(f'{problem}; send "parameters": {{"{CHECK_TASK}": false}} to ask it')
+    exact = _flag(parameters, EXACT_INPUTS, False)
     if route.decoding is not None:
-        decoding = dataclasses.replace(defaults, **route.decoding)
+        decoding = dataclasses.replace(defaults(adapter), **route.decoding)
     else:
-        decoding = _decoding(parameters, defaults, limits)
-    return TaskRequest(route=route, instances=values, decoding=decoding, adapter=adapter)
+        decoding = _decoding(parameters, defaults(adapter), limits)
+    return TaskRequest(
+        route=route, instances=values, decoding=decoding, adapter=adapter, exact_inputs=exact
+    )

@@ -10,7 +10,6 @@ and the command exits with the loading error's one line.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import dataclasses
 import gc
@@ -82,17 +81,16 @@ class _Worker:
     def _prepare(self) -> ModelWorker:
         start = time.perf_counter()
         model_worker = self.load()  # parses the model's gin files: nothing may read gin now
+        # The task modules (and the user's, which may import anything) are imported here, in
+        # this one thread, before compiling starts threads of its own: a module imported
+        # lazily while threads race to use it was half-imported to one of them.
+        self.service.tasks.warm_up()
         if self.warm_up:
             say(
                 f"compiling {model_worker.programs_needed} decoding programs "
                 f"({len(model_worker.batch_sizes)} batch sizes)"
             )
-            with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tasks") as pool:
-                # The task routes' first prompt imports TensorFlow and builds its graphs:
-                # seconds of Python, beside XLA's compiling.
-                tasks = pool.submit(self.service.tasks.warm_up)
-                programs = model_worker.warm_up(stopping=self.stopping.is_set)
-                tasks.result()
+            programs = model_worker.warm_up(stopping=self.stopping.is_set)
             say(f"{programs} programs ready")
         # What is loaded now lives as long as the server: a full collection walking it would
         # stall every request in flight (a few tenths of a second), so the collector skips it.

@@ -1,12 +1,10 @@
 """The tasks' routes as the server sees them: whatever t5tpu.tasks lists (tasks/serving.py),
 looked up once the model is loaded, and their prompts.
 
-The list depends on gin (the text-to-text task the files describe, MIXTURE_OR_TASK_MODULE),
-which the model's loading parses: so it is read on first use after that, or by `warm_up`.
-Prompts are made by the tasks' own preprocessing, which registers the seqio tasks again on
-every call: two threads doing that at once would see each other's half-registered tasks, so
-prompts are built under one lock, one request at a time. Their decoding is batched with
-everyone else's.
+The list depends on gin (MIXTURE_OR_TASK_MODULE), which the model's loading parses: so it is
+read on first use after that, or by `warm_up`. Prompts are the tasks' Python functions (the ones
+their training calls too), pure and quick: built in each request's thread, with no lock. Their
+decoding is batched with everyone else's.
 """
 
 from __future__ import annotations
@@ -54,16 +52,14 @@ class TaskRoutes:
 
     def prompts(self, route: Route, instances: Sequence[dict]) -> list[str]:
         """Each instance's input text, in the route's task's words."""
-        with self._lock:
-            return [route.prompt(**values) for values in instances]
+        return [route.prompt(**values) for values in instances]
 
     def warm_up(self) -> None:
-        """Reads the routes and builds a prompt (TensorFlow's first graphs take seconds), so
-        that the first request does not wait for it."""
+        """Reads the routes (importing the task modules and the user's) and builds a prompt of
+        each, so that the first request waits for neither."""
         for routes in self.table().values():
-            route = routes[0]
-            self.prompts(route, [{field.name: placeholder(field) for field in route.fields}])
-            return
+            for route in routes:
+                self.prompts(route, [{field.name: placeholder(field) for field in route.fields}])
 
 
 def _lookup() -> dict[str, tuple[Route, ...]]:

@@ -132,6 +132,11 @@ def save(
         mngr.wait_until_finished()
 
 
+def custom_metadata(mngr, step: int) -> dict:
+    """What checkpoint `step` saved beside its arrays (save()'s `metadata`, INPUT_START_STEP)."""
+    return mngr.metadata(step).custom_metadata or {}
+
+
 def params_readable(model_dir: str, step: int) -> bool:
     """Whether checkpoint `step` still has its parameters; no manager, so no host sync."""
     step_dir = epath.Path(paths.checkpoint_dir(model_dir, step))
