@@ -7,13 +7,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import reference_decoding
-from cli_runs import TINY_EXPERIMENT
+import seqio
+from cli_runs import TINY_EXPERIMENT, read_jsonl
 from t5tpu.tasks import register_builtin_tasks
 
 import t5tpu
 from t5tpu.config import gin_setup
 from t5tpu.model import decoding
 from t5tpu.runners.evaluator import TaskEvaluator, _examples
+from t5tpu.storage import model_dir as paths
 
 pytestmark = pytest.mark.slow  # needs the trained_tiny run
 LENGTHS = {"inputs": 96, "targets": 4}  # the tiny Quora experiment's
@@ -89,3 +91,10 @@ def test_eval_on_the_engine_gives_the_whole_batch_decoders_metrics(trained_tiny,
         rtol=1e-5,
     )
     assert ours(model.params, 2) == reference(model.params, 2)
+    # The examples file (runners/eval_examples.py): line i is example i, its prediction the text
+    # the metric saw (the decoded ids, postprocessed).
+    vocabulary = seqio.get_mixture_or_task("qp_is_duplicate").output_features["targets"].vocabulary
+    examples = paths.eval_examples(str(tmp_path / "engine"), "validation", "qp_is_duplicate", 2)
+    assert [row["prediction"] for row in read_jsonl(examples)] == [
+        vocabulary.decode(ids).strip() for _, ids in decoded
+    ]

@@ -4,12 +4,16 @@
 (EVAL_PERIOD). Metrics go to TensorBoard (MODEL_DIR/eval) and to MODEL_DIR/eval_metrics.json
 (or the same names in EVAL_OUTPUT_DIR), which maps step -> task -> metric (and the task's
 num_examples); a new evaluation of a task at a step replaces that task's entry and keeps every
-other. Splits other than 'validation' are kept apart (storage.model_dir.eval_run).
+other. Splits other than 'validation' are kept apart (storage.model_dir.eval_run). Each
+example's input, target and prediction goes to eval_examples/<task>-<step>.jsonl beside them
+(runners/eval_examples.py), written before the metrics: a step in eval_metrics.json has its
+examples.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import re
 import time
@@ -88,7 +92,14 @@ class TaskEvaluator:
         self.summaries_dir = paths.eval_summaries(output_dir or model_dir, split)
         self._writer = None
         input_length, target_length = pipeline.model_lengths(task_feature_lengths)
-        self.evaluator = _seqio_evaluator(task_name, task_feature_lengths, split, num_examples)
+        self.evaluator = _seqio_evaluator(
+            task_name,
+            task_feature_lengths,
+            split,
+            num_examples,
+            results_dir=output_dir or model_dir,
+        )
+        (self.examples,) = self.evaluator.loggers  # eval_examples.ExamplesLogger, its only one
         self.request = engine.Request(settings, max_length=target_length)
         # The engine that infer and serve decode with; it reads the parameters as each call
         # gives them (training's float32 copy is not cast into a second one).
@@ -174,6 +185,7 @@ class TaskEvaluator:
             print(f"{took}: done; process 0 has the metrics", flush=True)
             return {}
         metrics = future.result()
+        self.examples.write(setting=OUTPUT_SETTING)
         self._record(step, metrics)
         print(f"{took}: {metrics}", flush=True)
         return metrics
@@ -229,15 +241,21 @@ def _examples(ds: tf.data.Dataset) -> list[_Example]:
 
 
 def _seqio_evaluator(
-    task_name: str, task_feature_lengths, split: str, num_examples: int | None
+    task_name: str, task_feature_lengths, split: str, num_examples: int | None, *, results_dir: str
 ) -> seqio.Evaluator:
+    # Here, not at the top: its class subclasses seqio's, which imports TensorFlow.
+    from t5tpu.runners import eval_examples
+
     evaluator = seqio.Evaluator(
         task_name,
         pipeline.feature_converter(pack=False),
         eval_split=split,
         sequence_length=dict(task_feature_lengths),
         num_examples=num_examples,
-        logger_cls=(),
+        # seqio makes each logger as cls(output_dir=log_dir); TensorBoard and eval_metrics.json
+        # are written by TaskEvaluator itself.
+        logger_cls=(functools.partial(eval_examples.ExamplesLogger, split=split),),
+        log_dir=results_dir,
     )
     if not evaluator.eval_tasks:
         raise UserError(

@@ -10,6 +10,8 @@
       model.gin                      the model's geometry (written by `t5tpu convert`)
       train/, eval/, eval_<split>/   TensorBoard events
       eval_metrics.json, eval_<split>_metrics.json
+      eval_examples/<task>-<step>.jsonl, eval_<split>_examples/<task>-<step>.jsonl
+                                     each example evaluated: input, target, prediction
       inference/<source>-<step>.jsonl  (runners/prediction_files.py adds the decoding settings)
 
 Runners, the checkpoint code and the tools build paths with these functions rather than
@@ -89,8 +91,9 @@ def infer_config(model_dir: str) -> str:
 
 
 def eval_run(split: str) -> str:
-    """'eval' for the validation split, else 'eval_<split>': names its TensorBoard directory
-    and metrics file, so a quick look at another split never replaces validation results."""
+    """'eval' for the validation split, else 'eval_<split>': names its TensorBoard directory,
+    metrics file and examples folder, so a quick look at another split never replaces
+    validation results."""
     return "eval" if split == "validation" else f"eval_{split}"
 
 
@@ -100,6 +103,15 @@ def eval_summaries(model_dir: str, split: str) -> str:
 
 def eval_metrics(model_dir: str, split: str) -> str:
     return os.path.join(model_dir, f"{eval_run(split)}_metrics.json")
+
+
+def eval_examples_dir(model_dir: str, split: str) -> str:
+    return os.path.join(model_dir, f"{eval_run(split)}_examples")
+
+
+def eval_examples(model_dir: str, split: str, task: str, step: int) -> str:
+    """One task's examples as evaluated at `step`, beside the metrics they were counted in."""
+    return os.path.join(eval_examples_dir(model_dir, split), f"{task}-{step}.jsonl")
 
 
 def train_summaries(model_dir: str) -> str:
