@@ -47,6 +47,31 @@ def trained_tiny(tmp_path_factory):
     assert file_digests(path) == before, f"a test wrote into the shared {path}; copy it first"
 
 
+# The generic text-to-text task's experiment: a tiny T5 copies the first word of a line.
+TEXT_TO_TEXT_EXPERIMENT = "configs/experiments/text_to_text_tiny_cpu.gin"
+
+
+@pytest.fixture(scope="session")
+def trained_text_to_text(tmp_path_factory):
+    """(MODEL_DIR, the training's stdout) of the text_to_text experiment trained as the gin file
+    says (its 200 steps, evaluated at the last: eval_metrics.json and eval_examples/), once per
+    test run (built_once.py), as `trained_tiny` is: read it only, copy it to write into it."""
+    from built_once import built_once
+    from cli_runs import file_digests, succeeded, t5tpu
+
+    def build(folder):
+        run = succeeded(t5tpu("train", f"--gin_file={TEXT_TO_TEXT_EXPERIMENT}", model_dir=folder))
+        return {"stdout": run.stdout, "digests": file_digests(folder)}
+
+    folder, built = built_once(
+        tmp_path_factory, "trained_text_to_text", build, TEXT_TO_TEXT_EXPERIMENT
+    )
+    yield folder, built["stdout"]
+    assert file_digests(folder) == built["digests"], (
+        f"a test wrote into the shared {folder}; copy it first"
+    )
+
+
 @pytest.fixture(scope="session", autouse=True)
 def temporary_folder(tmp_path_factory):
     """The temporary folder of this process and of the commands it starts, inside the run's base

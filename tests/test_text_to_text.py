@@ -105,11 +105,11 @@ def test_files_on_gs_are_read_through_the_emulator():
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-    model_dir = tmp_path_factory.mktemp("t2t")
-    run = t5tpu("train", f"--gin_file={EXPERIMENT}", model_dir=model_dir)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return model_dir, run
+def trained(trained_text_to_text):
+    """The experiment's run (conftest's trained_text_to_text, shared: read only) and its
+    training's output."""
+    model_dir, stdout = trained_text_to_text
+    return model_dir, subprocess.CompletedProcess(["t5tpu", "train"], 0, stdout, "")
 
 
 @pytest.mark.slow
@@ -126,13 +126,17 @@ def test_trains_and_evaluates_from_the_gin_file_alone(trained):
 
 
 @pytest.mark.slow
-def test_infer_decodes_the_validation_split_with_the_prefix(trained):
+def test_infer_decodes_the_validation_split_with_the_prefix(trained, tmp_path):
     model_dir, _ = trained
     run = t5tpu(
-        "infer", f"--gin_file={EXPERIMENT}", "--gin.INFER_NUM_EXAMPLES=4", model_dir=model_dir
+        "infer",
+        f"--gin_file={EXPERIMENT}",
+        "--gin.INFER_NUM_EXAMPLES=4",
+        f"--gin.INFER_OUTPUT_DIR='{tmp_path}'",  # the shared MODEL_DIR is only read
+        model_dir=model_dir,
     )
     assert run.returncode == 0, run.stderr[-3000:]
-    written = model_dir / "inference" / "text_to_text_validation-200-first4.jsonl"
+    written = tmp_path / "inference" / "text_to_text_validation-200-first4.jsonl"
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert len(rows) == 4
     assert all(row["input"].startswith("first word: ") for row in rows)
