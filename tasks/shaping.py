@@ -14,9 +14,10 @@ from __future__ import annotations
 
 from t5tpu.tasks import quora, text_to_text
 
+from t5tpu.model.decoding import DecodingSettings
 from t5tpu.runtime.lazy_imports import seqio
 from t5tpu.storage import run_record
-from t5tpu.storage.run_record import DecodingDefaults, InputShaping, RunRecord
+from t5tpu.storage.run_record import InputShaping, RunRecord
 
 
 def shape(shaping: InputShaping, text: str) -> str:
@@ -68,7 +69,7 @@ def tasks_of(task_name: str | None) -> tuple[str, ...]:
 
 
 def record_for_run(
-    task_name: str | None, lengths: tuple[int, int], decoding: DecodingDefaults
+    task_name: str | None, lengths: tuple[int, int], decoding: DecodingSettings
 ) -> RunRecord:
     """The record a training run saves with its checkpoints, from the parsed gin files."""
     return RunRecord(

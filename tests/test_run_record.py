@@ -14,8 +14,9 @@ from cli_runs import ROOT
 
 from t5tpu.errors import UserError
 from t5tpu.formats import hf_run_record, loader
+from t5tpu.model.decoding import DecodingSettings
 from t5tpu.storage import run_record
-from t5tpu.storage.run_record import DecodingDefaults, InputShaping, RunRecord
+from t5tpu.storage.run_record import InputShaping, RunRecord
 
 PREFIXED = RunRecord(
     task="text_to_text",
@@ -23,7 +24,7 @@ PREFIXED = RunRecord(
     input_length=32,
     target_length=8,
     shaping=InputShaping(run_record.PREFIX, prefix="first word: "),
-    decoding=DecodingDefaults(num_beams=1, temperature=0.0, top_k=0, beam_alpha=0.6, seed=0),
+    decoding=DecodingSettings(num_beams=1, temperature=0.0, top_k=0, beam_alpha=0.6, seed=0),
 )
 
 
@@ -39,6 +40,7 @@ def test_a_record_reads_back_as_written_and_a_damaged_one_is_one_line():
             RunRecord.from_record(damaged, "here")
 
 
+@pytest.mark.slow  # needs the trained_tiny run
 def test_a_training_run_saves_its_record_with_each_checkpoint(trained_tiny):
     record = loader.open_checkpoint(str(trained_tiny)).run_record()
     assert record == RunRecord(
@@ -47,7 +49,7 @@ def test_a_training_run_saves_its_record_with_each_checkpoint(trained_tiny):
         input_length=96,
         target_length=4,
         shaping=InputShaping(run_record.QUORA, normalize=True),
-        decoding=DecodingDefaults(),
+        decoding=DecodingSettings(),
     )
 
 
@@ -74,7 +76,7 @@ def test_the_hf_fields_carry_the_record_and_read_back():
         "summarize: ",
     )
     assert hf_run_record.record_from_files({}, {}, {"model_max_length": 512}, where="x") is None
-    sampled = RunRecord("t", ("t",), 8, 4, decoding=DecodingDefaults(temperature=0.7, top_k=40))
+    sampled = RunRecord("t", ("t",), 8, 4, decoding=DecodingSettings(temperature=0.7, top_k=40))
     assert hf_run_record.generation_config(sampled)["do_sample"] is True
     quora_notes = hf_run_record.notes(RunRecord("q", ("q",), 8, 4, InputShaping(run_record.QUORA)))
     assert len(quora_notes) == 1 and "lower-case inputs" in quora_notes[0]

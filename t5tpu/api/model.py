@@ -31,7 +31,7 @@ from t5tpu.model import decoding, layers
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request, encode
 from t5tpu.partitioning import Partitioner
-from t5tpu.storage.run_record import DecodingDefaults, InputShaping, RunRecord
+from t5tpu.storage.run_record import InputShaping, RunRecord
 from t5tpu.tasks import shaping
 
 # Rows, lengths and chunks: True is an int to Python, not a count.
@@ -92,7 +92,7 @@ class T5Model:
         self.run_record = record
         self.tasks: tuple[str, ...] = record.tasks if record else ()
         self.input_shaping = record.shaping if record else InputShaping()
-        self.decoding_defaults = record.decoding if record else DecodingDefaults()
+        self.decoding_defaults = record.decoding if record else decoding.DecodingSettings()
         self._has_vocabulary = has_vocabulary
         self.engine = Engine(
             network=model,
@@ -165,15 +165,8 @@ class T5Model:
         max_length = self.shapes.max_target_length if max_length is None else max_length
         _COUNT.check("max_length", max_length)
         given = {"num_beams": num_beams, "temperature": temperature, "top_k": top_k, "seed": seed}
-        chosen = dataclasses.replace(
+        settings = dataclasses.replace(
             self.decoding_defaults, **{k: v for k, v in given.items() if v is not None}
-        )
-        settings = decoding.DecodingSettings(
-            temperature=chosen.temperature,
-            top_k=chosen.top_k,
-            num_beams=chosen.num_beams,
-            beam_alpha=chosen.beam_alpha,
-            seed=chosen.seed,
         )
         settings.check(self.model.config.vocab_size)
         return Request(settings, max_length)

@@ -50,7 +50,7 @@ from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, remote
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.run_record import DecodingDefaults, RunRecord
+from t5tpu.storage.run_record import RunRecord
 from t5tpu.storage.writer_lock import WriterLock
 from t5tpu.tasks import registry, shaping
 from t5tpu.training import trainer
@@ -193,7 +193,7 @@ def _run_record(data: InputSettings) -> RunRecord:
     for the front ends: the task, its lengths and input shaping, and the decoding eval and
     infer use (NUM_BEAMS, TEMPERATURE, TOP_K, infer.beam_alpha and infer.random_seed)."""
     bound = runner_settings.bound_settings("infer", runner_settings.InferSettings)
-    decoding = DecodingDefaults(
+    defaults = decoding.DecodingSettings(
         num_beams=bound.num_beams,
         temperature=float(bound.temperature),
         top_k=bound.top_k,
@@ -201,7 +201,7 @@ def _run_record(data: InputSettings) -> RunRecord:
         seed=bound.random_seed,
     )
     lengths = pipeline.model_lengths(data.task_feature_lengths)
-    return shaping.record_for_run(data.task_name, lengths, decoding)
+    return shaping.record_for_run(data.task_name, lengths, defaults)
 
 
 def _initial_checkpoint(

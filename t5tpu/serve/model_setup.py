@@ -28,7 +28,7 @@ from t5tpu.runners import run_lengths
 from t5tpu.serve import adapters as lora_adapters
 from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
 from t5tpu.serve.payloads import Decoding
-from t5tpu.storage.run_record import DecodingDefaults, RunRecord
+from t5tpu.storage.run_record import RunRecord
 
 STORAGE_URI = "AIP_STORAGE_URI"
 
@@ -174,7 +174,7 @@ def _bound_or(argument: str, recorded):
 
 def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
     """Each decoding default from the gin files where they bind it, else from the run."""
-    run = record.decoding if record else DecodingDefaults()
+    run = record.decoding if record else decoding.DecodingSettings()
     return Decoding(
         num_beams=_bound_or("num_beams", run.num_beams),
         max_length=target_length,

@@ -14,6 +14,7 @@ import dataclasses
 
 from t5tpu import validators
 from t5tpu.errors import UserError
+from t5tpu.model.decoding import DecodingSettings
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 
@@ -57,18 +58,6 @@ class InputShaping:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodingDefaults:
-    """How the run's eval and infer decode unless told otherwise (NUM_BEAMS, TEMPERATURE,
-    TOP_K, infer.beam_alpha, infer.random_seed)."""
-
-    num_beams: int = 1
-    temperature: float = 0.0
-    top_k: int = 0
-    beam_alpha: float = 0.6
-    seed: int = 0
-
-
-@dataclasses.dataclass(frozen=True)
 class RunRecord:
     """The run's decisions. `task` is MIXTURE_OR_TASK_NAME; `tasks` the tasks it trained on (a
     mixture's, else the task itself); the lengths are TASK_FEATURE_LENGTHS'."""
@@ -78,7 +67,9 @@ class RunRecord:
     input_length: int
     target_length: int
     shaping: InputShaping = InputShaping()
-    decoding: DecodingDefaults = DecodingDefaults()
+    # How its eval and infer decode unless told otherwise (NUM_BEAMS, TEMPERATURE, TOP_K,
+    # infer.beam_alpha, infer.random_seed).
+    decoding: DecodingSettings = DecodingSettings()
 
     def __post_init__(self):
         for name in ("input_length", "target_length"):
@@ -108,7 +99,7 @@ class RunRecord:
                 input_length=lengths["inputs"],
                 target_length=lengths["targets"],
                 shaping=InputShaping.from_record(record.get("shaping", {})),
-                decoding=DecodingDefaults(**record.get("decoding", {})),
+                decoding=DecodingSettings(**record.get("decoding", {})),
             )
         except (KeyError, TypeError, ValueError, AttributeError, UserError) as e:
             raise UserError(
