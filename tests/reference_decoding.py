@@ -8,7 +8,14 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5tpu.model.decoding import _decoder_step, _encode_and_make_cache, _pick_next, _split
+from t5tpu.model.decoding import (
+    DecodingSettings,
+    _decoder_step,
+    _encode_and_make_cache,
+    _pick_next,
+    _split,
+    row_sampling,
+)
 
 Array = jax.Array
 
@@ -22,14 +29,18 @@ def decode(
     rng: Array | None = None,
     temperature: float = 0.0,
     top_k: int = 0,
+    top_p: float = 1.0,
 ) -> Array:
     """Returns [batch, max_decode_length] token ids: each row ends at its first EOS (included),
     zeros after it. Decoding stops early once every row has produced EOS. Sampling draws from
-    `rng`: one key for the batch, or a key per row ([batch, 2])."""
+    `rng`: a key per row ([batch, 2]), or one key split into a key per row."""
     batch = encoder_input_tokens.shape[0]
+    settings = DecodingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
+    sampling = row_sampling(settings, batch) if temperature > 0 else None
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
     dummy_targets = jnp.zeros((batch, max_decode_length), jnp.int32)
     rng = jax.random.PRNGKey(0) if rng is None else rng
+    rng = jax.random.split(rng, batch) if rng.ndim == 1 else rng
 
     def step(state):
         position, cache, token, out, done, rng = state
@@ -37,7 +48,7 @@ def decode(
             module, params, cache, encoded, encoder_input_tokens, token, position
         )
         rng, step_rng = _split(rng)
-        next_token = _pick_next(logits, step_rng, temperature, top_k)
+        next_token = _pick_next(logits, step_rng, sampling)
         next_token = jnp.where(done, 0, next_token)
         out = out.at[:, position].set(next_token)
         done = done | (next_token == eos_id)
@@ -70,5 +81,13 @@ def predict(model, params, tokens, max_length: int, rng=None, settings=None):
             model.module, params, tokens, max_length, eos, settings.num_beams, settings.beam_alpha
         )[0]
     return decode(
-        model.module, params, tokens, max_length, eos, rng, settings.temperature, settings.top_k
+        model.module,
+        params,
+        tokens,
+        max_length,
+        eos,
+        rng,
+        settings.temperature,
+        settings.top_k,
+        settings.top_p,
     )

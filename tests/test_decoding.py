@@ -92,3 +92,35 @@ def test_sampling_depends_on_rng_and_top1_is_greedy():
         module, params, inputs, 8, EOS, jax.random.PRNGKey(2), temperature=2.0
     )
     assert not np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
+    """temperature, then top-k, then top-p, each row with its own values (one program), equal
+    to transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper on the
+    same logits: the same tokens kept, the same values."""
+    torch = pytest.importorskip("torch")
+    from transformers import generation
+
+    from t5tpu.model import decoding
+
+    rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 40, 0.6), (2.0, 3, 0.05)]
+    logits = np.random.default_rng(0).normal(0, 3, size=(len(rows), 257)).astype(np.float32)
+    sampling = decoding.RowSampling(
+        temperature=jnp.asarray([t for t, _, _ in rows], jnp.float32),
+        top_k=jnp.asarray([k for _, k, _ in rows], jnp.int32),
+        top_p=jnp.asarray([p for _, _, p in rows], jnp.float32),
+    )
+    ours = np.asarray(jax.jit(decoding.sampled_logits)(jnp.asarray(logits), sampling))
+    for row, (temperature, top_k, top_p) in enumerate(rows):
+        warpers = generation.LogitsProcessorList([generation.TemperatureLogitsWarper(temperature)])
+        if top_k:
+            warpers.append(generation.TopKLogitsWarper(top_k))
+        if top_p < 1:
+            warpers.append(generation.TopPLogitsWarper(top_p))
+        theirs = warpers(None, torch.tensor(logits[row : row + 1])).numpy()[0]
+        kept = np.isfinite(theirs)
+        np.testing.assert_array_equal(np.isfinite(ours[row]), kept, err_msg=str(rows[row]))
+        np.testing.assert_allclose(ours[row][kept], theirs[kept], rtol=1e-6)
+    # The limits do something: rows keep k tokens, or fewer under top-p.
+    assert [int(np.isfinite(r).sum()) for r in ours][:2] == [257, 5]
+    assert 1 <= np.isfinite(ours[4]).sum() <= 3

@@ -72,8 +72,12 @@ def _length(ids: np.ndarray) -> int:
 
 @pytest.mark.parametrize(
     "settings",
-    [decoding.DecodingSettings(), decoding.DecodingSettings(temperature=1.0, top_k=20, seed=3)],
-    ids=["greedy", "sampled"],
+    [
+        decoding.DecodingSettings(),
+        decoding.DecodingSettings(temperature=1.0, top_k=20, seed=3),
+        decoding.DecodingSettings(temperature=0.8, top_k=50, top_p=0.9, seed=5),
+    ],
+    ids=["greedy", "sampled", "top_p"],
 )
 def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, monkeypatch):
     inserted = []
@@ -184,4 +188,24 @@ def test_warm_up_compiles_the_documented_programs_and_decoding_compiles_none(tin
     again = server.generate(tiny[4], request)  # on the states the first call left
     assert compile_events.lowered() == before
     for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_any_temperature_top_k_and_top_p_sample_with_one_set_of_programs(tiny):
+    """Sampling's values are the programs' inputs (each slot's own): new values compile
+    nothing, and they take effect (top_k 1 is greedy whatever the temperature)."""
+    server, rows = _engine(tiny, batch_size=4), tiny[4]
+    sample = engine.Request(decoding.DecodingSettings(temperature=1.0, seed=1), MAX_LENGTH)
+    first = server.generate(rows, sample)
+    programs, lowered = server.program_count, compile_events.lowered()
+    others = [
+        decoding.DecodingSettings(temperature=0.3, top_k=5, seed=1),
+        decoding.DecodingSettings(temperature=2.0, top_p=0.5, seed=1),
+        decoding.DecodingSettings(temperature=1.5, top_k=1, top_p=0.8, seed=9),
+    ]
+    outputs = [server.generate(rows, engine.Request(s, MAX_LENGTH)) for s in others]
+    assert (server.program_count, compile_events.lowered()) == (programs, lowered)
+    assert not all(np.array_equal(a, b) for a, b in zip(first, outputs[1], strict=True))
+    greedy = server.generate(rows, engine.Request(decoding.DecodingSettings(), MAX_LENGTH))
+    for a, b in zip(outputs[2], greedy, strict=True):
         np.testing.assert_array_equal(a, b)

@@ -68,19 +68,36 @@ def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top
 @pytest.mark.parametrize(
     "temperature, top_k, num_beams, message",
     [
-        (-1.0, 0, 1, "TEMPERATURE = -1.0 must be a number >= 0"),
-        (float("nan"), 0, 1, "TEMPERATURE = nan must be a number >= 0"),
-        ("hot", 0, 1, "TEMPERATURE = 'hot' must be a number >= 0"),
+        (-1.0, 0, 1, "TEMPERATURE = -1.0 must be 0.0 (greedy) or a number from 1e-06 to 1e+06"),
+        (float("nan"), 0, 1, "TEMPERATURE = nan must be 0.0 (greedy) or a number from 1e-06"),
+        ("hot", 0, 1, "TEMPERATURE = 'hot' must be 0.0 (greedy) or a number from 1e-06"),
+        (1e-320, 0, 1, "TEMPERATURE = 1e-320 must be 0.0 (greedy) or a number from 1e-06"),
+        (1e308, 0, 1, "TEMPERATURE = 1e+308 must be 0.0 (greedy) or a number from 1e-06"),
         (1.0, VOCAB + 1, 1, f"TOP_K = {VOCAB + 1} must be between 0 (no limit) and the vocabu"),
         (1.0, -1, 1, "TOP_K = -1 must be between 0"),
         (0.0, 0, 0, "NUM_BEAMS = 0 must be >= 1"),
         (0.5, 0, 2, "NUM_BEAMS = 2 (beam search) does not sample, so TEMPERATURE = 0.5"),
-        (0.0, 40, 2, "TOP_K = 40 would be ignored; choose one"),
+        (0.0, 40, 2, "TOP_K = 40 and TOP_P = 1.0 would be ignored; choose one"),
     ],
 )
 def test_check_settings_refuses(temperature, top_k, num_beams, message):
     with pytest.raises(UserError, match=re.escape(message)):
         decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
+
+
+@pytest.mark.parametrize(
+    "top_p, num_beams, message",
+    [
+        (0.0, 1, "TOP_P = 0.0 must be a number > 0, e.g. 0.9 (1.0: no limit)"),
+        (1.5, 1, "TOP_P = 1.5 must be at most 1.0"),
+        ("most", 1, "TOP_P = 'most' must be a number > 0"),
+        (0.9, 2, "TOP_P = 0.9 would be ignored"),
+    ],
+)
+def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_beams, message):
+    decoding.DecodingSettings(temperature=0.7, top_p=0.9).check(VOCAB)
+    with pytest.raises(UserError, match=re.escape(message)):
+        decoding.DecodingSettings(num_beams=num_beams, top_p=top_p).check(VOCAB)
 
 
 def test_decoding_macros_are_defined_once_for_eval_and_infer():
@@ -374,6 +391,7 @@ def test_same_named_input_files_keep_their_own_predictions(model_dir, tmp_path):
         (None, (0.0, 0, 4, 0.6, 0), "src-5-beam4-alpha0.6.jsonl"),
         (None, (0.7, 0, 1, 0.6, 3), "src-5-temp0.7-seed3.jsonl"),
         (2, (1.0, 40, 1, 0.6, 0), "src-5-first2-temp1-top40-seed0.jsonl"),
+        (None, (0.9, 0, 1, 0.6, 1, 0.95), "src-5-temp0.9-topp0.95-seed1.jsonl"),
     ],
 )
 def test_prediction_files_are_named_by_the_settings_that_change_them(num_examples, settings, name):

@@ -26,6 +26,7 @@ BAD = {
     "TASK_FEATURE_LENGTHS = {}": "must be None or a dict of feature lengths >= 1",
     "TASK_FEATURE_LENGTHS = 512": "must be None or a dict of feature lengths >= 1",
     "INFER_EXACT_INPUTS = 1": "must be True or False",
+    "TOP_P = 0": "must be a number > 0",
     "MODEL_DIR = ''": "MODEL_DIR = '' must be None or a path (a non-empty string), e.g. --gin.MO",
     "INFER_INPUT_FILE = 5": "INFER_INPUT_FILE = 5 must be None or a path",
 }

@@ -73,6 +73,10 @@ LORA_PREFIX = "last word: "
 SEARCHES = [
     (["--gin.NUM_BEAMS=2"], {"num_beams": 2}),
     (["--gin.TEMPERATURE=1.0", "--gin.infer.random_seed=3"], {"temperature": 1.0, "seed": 3}),
+    (
+        ["--gin.TEMPERATURE=1.0", "--gin.TOP_P=0.8", "--gin.infer.random_seed=3"],
+        {"temperature": 1.0, "top_p": 0.8, "seed": 3},
+    ),
 ]
 SERVE_FLAGS = ["--host=127.0.0.1", "--max_batch_size=4", "--no_warmup"]
 START_TIMEOUT = 300  # seconds to /health 200, on a busy machine
@@ -337,7 +341,7 @@ def test_text_to_text_answers_everywhere_as_hf_generate_on_the_prefixed_line(
     assert runs.servers["text"].predict([*TEXT_LINES, ""], exact_inputs=True) == exact
 
 
-@pytest.mark.parametrize(("flags", "parameters"), SEARCHES, ids=["beam", "sampling"])
+@pytest.mark.parametrize(("flags", "parameters"), SEARCHES, ids=["beam", "sampling", "top_p"])
 def test_text_to_text_beam_search_and_sampling_agree(runs, models, flags, parameters, tmp_path):
     rows = infer(
         runs.text, tmp_path / "infer", TEXT_LINES, *flags, gin_file=TEXT_TO_TEXT_EXPERIMENT

@@ -32,7 +32,7 @@ import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, succeeded, t5tpu
 from t5tpu.tasks import quora
 
-from t5tpu.model import engine
+from t5tpu.model import decoding, engine
 from t5tpu.serve import app, batcher, model_worker, server
 from t5tpu.serve.payloads import Decoding
 from t5tpu.storage import run_record
@@ -334,7 +334,27 @@ BAD_REQUESTS = [
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"num_beams": 0}}, 400, "num_beams"),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"max_length": 5}}, 400, "1 to 4"),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"top_k": True}}, 400, "top_k"),
-    ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"temperature": -1}}, 400, ">= 0"),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"temperature": -1}},
+        400,
+        "0 (greedy)",
+    ),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"temperature": 1e-320}},
+        400,
+        "temperature = 1e-320 must be 0 (greedy) or a number from 1e-06 to 1e+06",
+    ),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"top_p": 0}},
+        400,
+        "top_p = 0 must be above 0 and at most 1",
+    ),
     (
         "POST",
         "/v1/predict",
@@ -477,6 +497,14 @@ class StandInEngine:
         self.words: dict[str, int] = {}
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
 
+    def sampling(self, wanted: Decoding):
+        """A request's own sampling values, as ModelWorker.sampling gives them."""
+        if wanted.temperature == 0:
+            return None
+        return decoding.DecodingSettings(
+            temperature=wanted.temperature, top_k=wanted.top_k, top_p=wanted.top_p
+        )
+
     def answers_as(self, record) -> None:
         """Answers as a run of `record` (None: one that records none), as a loaded model's."""
         answering = model_worker.Answering(record, self.max_input_length, self.defaults)
@@ -509,7 +537,10 @@ class StandInEngine:
         texts = [" ".join(names[i] for i in row.ids[:-1]) for row in rows]
         if "fail" in texts:
             raise ValueError("the stand-in model failed\non two lines")
-        return [f"{text.upper()} t={group.decoding.temperature}" for text in texts]
+        temperatures = [
+            row.sampling.temperature if row.sampling else group.decoding.temperature for row in rows
+        ]
+        return [f"{text.upper()} t={t}" for text, t in zip(texts, temperatures, strict=True)]
 
 
 # The routes Vertex AI names in AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE when a model sets none.
@@ -567,19 +598,30 @@ def hold_the_worker(pool, port: int, fake: StandInEngine):
     return first
 
 
-def test_requests_that_arrive_together_share_a_batch_only_with_equal_settings(stand_in):
+def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_them(stand_in):
+    """Greedy rows batch with greedy ones; sampling rows with sampling ones whatever their
+    temperature, top_k or top_p (each row's own values go with it, into its slot)."""
     port, fake, running = stand_in
+    temperatures = (0.5, 0.7, 0.9)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         first = hold_the_worker(pool, port, fake)
-        hot = [pool.submit(predict, port, [f"a{i}"], {"temperature": 0.5}) for i in range(3)]
+        hot = [
+            pool.submit(predict, port, [f"a{i}"], {"temperature": t, "top_p": 0.9})
+            for i, t in enumerate(temperatures)
+        ]
         cold = [pool.submit(predict, port, [f"b{i}"]) for i in range(3)]
         wait_for(lambda: running.service.batcher.depth == 6)
         fake.gate.set()
         assert first.result()["predictions"] == ["WARM t=0.0"]
-        assert [f.result()["predictions"] for f in hot] == [[f"A{i} t=0.5"] for i in range(3)]
+        assert [f.result()["predictions"] for f in hot] == [
+            [f"A{i} t={t}"] for i, t in enumerate(temperatures)
+        ]
         assert [f.result()["predictions"] for f in cold] == [[f"B{i} t=0.0"] for i in range(3)]
     sizes = sorted((group.decoding.temperature, len(rows)) for group, rows in fake.batches[1:])
-    assert sizes == [(0.0, 3), (0.5, 3)]
+    assert sizes == [(0.0, 3), (1.0, 3)]  # the sampling group's key: temperature 1.0, any row's
+    (sampled,) = [rows for group, rows in fake.batches[1:] if group.decoding.temperature]
+    assert sorted(row.sampling.temperature for row in sampled) == list(temperatures)
+    assert {row.sampling.top_p for row in sampled} == {0.9}
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_queued_are_answered(stand_in):

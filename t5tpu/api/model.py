@@ -139,6 +139,7 @@ class T5Model:
         num_beams: int | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
+        top_p: float | None = None,
         seed: int | None = None,
     ) -> np.ndarray:
         """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros.
@@ -146,25 +147,25 @@ class T5Model:
         input_ids: rows of token ids (a 2-D array with 0 as padding, or lists), ending with EOS
         as a tokenizer writes them. num_beams > 1 is beam search (the run's length penalty,
         0.6 by default); temperature > 0 samples (from the top_k most likely tokens when top_k
-        > 0), seeded. Each setting left None is the run's (`decoding_defaults`), the length
-        the model's max_target_length.
+        > 0, then the fewest whose probability reaches top_p when it is below 1, as Hugging
+        Face's warpers do), seeded. Each setting left None is the run's (`decoding_defaults`),
+        the length the model's max_target_length.
         """
         request = self._settings(
             max_length=max_new_tokens,
             num_beams=num_beams,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             seed=seed,
         )
         return self._generate(_ids_rows(input_ids), request)
 
-    def _settings(
-        self, *, max_length=None, num_beams=None, temperature=None, top_k=None, seed=None
-    ):
-        """The Request of a call: each setting given, else the run's default."""
+    def _settings(self, *, max_length=None, **given):
+        """The Request of a call: each decoding setting given (DecodingSettings' names), else
+        the run's default."""
         max_length = self.shapes.max_target_length if max_length is None else max_length
         _COUNT.check("max_length", max_length)
-        given = {"num_beams": num_beams, "temperature": temperature, "top_k": top_k, "seed": seed}
         settings = dataclasses.replace(
             self.decoding_defaults, **{k: v for k, v in given.items() if v is not None}
         )
@@ -205,6 +206,7 @@ class T5Model:
         num_beams: int | None = None,
         temperature: float | None = None,
         top_k: int | None = None,
+        top_p: float | None = None,
         max_length: int | None = None,
         seed: int | None = None,
         exact_inputs: bool = False,
@@ -217,6 +219,7 @@ class T5Model:
             num_beams=num_beams,
             temperature=temperature,
             top_k=top_k,
+            top_p=top_p,
             seed=seed,
         )
         rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
@@ -298,7 +301,7 @@ class T5Model:
         return encode(self.vocabulary, text, limit or self.shapes.max_input_length).ids
 
 
-_SETTINGS = ("num_beams", "temperature", "top_k", "max_length", "seed", "exact_inputs")
+_SETTINGS = ("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs")
 
 
 def _known(settings: dict) -> dict:

@@ -189,6 +189,7 @@ INFER = GinCommand(
         ),
         Macro("TEMPERATURE", "0.0", "above 0: sampling instead of greedy decoding"),
         Macro("TOP_K", "0", "sample from the k most likely tokens (0: all)"),
+        Macro("TOP_P", "1.0", "then from the fewest whose probability reaches p (1.0: all)"),
         _NUM_BEAMS,
     ),
     example=f"t5tpu infer --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "

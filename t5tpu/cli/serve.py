@@ -28,7 +28,7 @@ ROUTE_VARIABLES = {"predict": "AIP_PREDICT_ROUTE", "health": "AIP_HEALTH_ROUTE"}
 DEFAULT_PORT = 8080
 _DESCRIPTION = """\
 Serve a model over HTTP: POST /v1/predict ({"instances": ["..."], "parameters": {"num_beams", \
-"max_length", "temperature", "top_k", "seed"}} -> {"predictions": ["..."]}), /v1/score, \
+"max_length", "temperature", "top_k", "top_p", "seed"}} -> {"predictions": ["..."]}), /v1/score, \
 /v1/is_duplicate, /v1/similar_question and /v1/answer; GET /health (503 until the model is \
 loaded and compiled, then 200) and /metrics (Prometheus). docs/SERVING.md has every payload.
 

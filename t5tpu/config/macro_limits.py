@@ -73,6 +73,7 @@ LIMITS: dict[str, Limit] = {
     "NUM_BEAMS": _positive("4"),
     "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
     "TOP_K": _count("40"),
+    "TOP_P": Limit(validators.number(above=0), "0.9"),
     # None: infer's "the run's" (a run that trains or evaluates still needs them).
     "TASK_FEATURE_LENGTHS": Limit(
         validators.optional(Rule(_lengths, "a dict of feature lengths >= 1")),

@@ -30,6 +30,7 @@ class InferSettings:
     num_beams: int
     temperature: float
     top_k: int
+    top_p: float
     random_seed: int
     beam_alpha: float
     truncation: str

@@ -50,7 +50,7 @@ def generation_config(record: RunRecord | None) -> dict:
     sampling = decoding.num_beams == 1 and decoding.temperature > 0
     fields["do_sample"] = sampling
     if sampling:
-        fields.update(temperature=decoding.temperature, top_k=decoding.top_k)
+        fields.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
     return fields
 
 

@@ -27,17 +27,25 @@ from t5tpu.model.layers import CACHE_AXES
 Array = jax.Array
 
 
+# Sampling temperatures a float32 program divides by without overflow or a zero: 0 is greedy.
+TEMPERATURES = (1e-6, 1e6)
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodingSettings:
-    """How to pick each next token: greedy (temperature 0), temperature / top-k sampling, or beam
-    search (num_beams > 1, length penalty beam_alpha). `seed` feeds sampling only. The gin
-    macros TEMPERATURE, TOP_K and NUM_BEAMS set these for eval and infer."""
+    """How to pick each next token: greedy (temperature 0), sampling (temperature > 0, from the
+    top_k most likely tokens and the smallest set whose probability reaches top_p, in Hugging
+    Face's order), or beam search (num_beams > 1, length penalty beam_alpha). `seed` feeds
+    sampling only. The gin macros TEMPERATURE, TOP_K, TOP_P and NUM_BEAMS set these for eval
+    and infer. A sampling program takes temperature, top_k and top_p as values: one program
+    samples with any of them."""
 
     temperature: float = 0.0
     top_k: int = 0
     num_beams: int = 1
     beam_alpha: float = 0.6
     seed: int = 0
+    top_p: float = 1.0
 
     @property
     def samples(self) -> bool:
@@ -45,29 +53,38 @@ class DecodingSettings:
 
     def check(self, vocab_size: int) -> None:
         """Refuses settings that would crash inside the compiled loop (TOP_K above the
-        vocabulary), decode nonsense (a negative TEMPERATURE flips the distribution), or be
-        silently ignored (beam search is deterministic, so it has no use for TEMPERATURE or
-        TOP_K).
+        vocabulary), decode nonsense (a negative TEMPERATURE flips the distribution, a
+        subnormal one divides by zero in float32), or be silently ignored (beam search is
+        deterministic, so it has no use for TEMPERATURE, TOP_K or TOP_P).
 
-        TOP_K with TEMPERATURE 0 is allowed: greedy picks the most likely token, which is
-        always among the k most likely, so it is the limit of top-k sampling as the temperature
-        goes to 0.
+        TOP_K (or TOP_P) with TEMPERATURE 0 is allowed: greedy picks the most likely token,
+        which is always among those kept, so it is the limit of such sampling as the
+        temperature goes to 0.
         """
         temperature, top_k, num_beams = self.temperature, self.top_k, self.num_beams
-        validators.number(low=0).check(
-            "TEMPERATURE", temperature, example="0.0 (greedy; above 0 samples)"
-        )
+        low, high = TEMPERATURES
+        if not (temperature == 0 or validators.number(low=low).accepts(temperature)) or (
+            validators.is_number(temperature) and temperature > high
+        ):
+            raise UserError(
+                f"TEMPERATURE = {temperature!r} must be 0.0 (greedy) or a number from {low:g} "
+                f"to {high:g} (sampling)"
+            )
         if not 0 <= top_k <= vocab_size:
             raise UserError(
                 f"TOP_K = {top_k} must be between 0 (no limit) and the vocabulary size {vocab_size}"
             )
+        validators.number(above=0).check("TOP_P", self.top_p, example="0.9 (1.0: no limit)")
+        if self.top_p > 1:
+            raise UserError(f"TOP_P = {self.top_p!r} must be at most 1.0 (1.0: no limit)")
         if num_beams < 1:
             raise UserError(f"NUM_BEAMS = {num_beams} must be >= 1: 1 is greedy or sampling")
-        if num_beams > 1 and (temperature > 0 or top_k > 0):
+        if num_beams > 1 and (temperature > 0 or top_k > 0 or self.top_p < 1):
             raise UserError(
                 f"NUM_BEAMS = {num_beams} (beam search) does not sample, so TEMPERATURE = "
-                f"{temperature} and TOP_K = {top_k} would be ignored; choose one: NUM_BEAMS = 1 "
-                "to sample, or TEMPERATURE = 0.0 and TOP_K = 0 for beam search"
+                f"{temperature}, TOP_K = {top_k} and TOP_P = {self.top_p} would be ignored; "
+                "choose one: NUM_BEAMS = 1 to sample, or TEMPERATURE = 0.0, TOP_K = 0 and "
+                "TOP_P = 1.0 for beam search"
             )
 
 
@@ -82,23 +99,62 @@ def first_max_index(x: Array, axis: int = -1) -> Array:
     return jnp.min(jnp.where(x == largest, index, x.shape[axis]), axis=axis)
 
 
+class RowSampling(NamedTuple):
+    """Each slot's sampling values: arrays, so rows of any values share one compiled program."""
+
+    temperature: Array  # [rows] float32, > 0
+    top_k: Array  # [rows] int32; 0: no limit
+    top_p: Array  # [rows] float32; 1.0: no limit
+
+
+def row_sampling(settings: DecodingSettings, rows: int) -> RowSampling:
+    """`rows` slots' values for `settings` (host arrays; a free slot's are harmless ones)."""
+    return RowSampling(
+        temperature=np.full((rows,), settings.temperature or 1.0, np.float32),
+        top_k=np.full((rows,), settings.top_k, np.int32),
+        top_p=np.full((rows,), settings.top_p, np.float32),
+    )
+
+
+def sampled_logits(logits: Array, sampling: RowSampling) -> Array:
+    """[rows, vocab] logits as sampling draws from them, each row with its own values, in
+    Hugging Face's order and by its rules (TemperatureLogitsWarper, TopKLogitsWarper,
+    TopPLogitsWarper): divided by the temperature; below the k-th largest dropped (ties kept);
+    then, in ascending order, those whose cumulative probability is at most 1 - top_p dropped,
+    the most likely always kept. Dropped: -inf. The sorts are skipped when no row limits."""
+    scaled = logits / sampling.temperature[:, None]
+    vocab = logits.shape[-1]
+
+    def limited(scaled):
+        ascending = jnp.sort(scaled, axis=-1)
+        k = jnp.where(sampling.top_k > 0, jnp.minimum(sampling.top_k, vocab), vocab)
+        kth = jnp.take_along_axis(ascending, (vocab - k)[:, None], axis=-1)
+        scaled = jnp.where(scaled < kth, -jnp.inf, scaled)
+        order = jnp.argsort(scaled, axis=-1)
+        probabilities = jax.nn.softmax(jnp.take_along_axis(scaled, order, axis=-1), axis=-1)
+        drop = jnp.cumsum(probabilities, axis=-1) <= (1 - sampling.top_p)[:, None]
+        drop = drop.at[:, -1].set(False)
+        rows = jnp.arange(scaled.shape[0])[:, None]
+        dropped = jnp.zeros_like(drop).at[rows, order].set(drop)
+        return jnp.where(dropped, -jnp.inf, scaled)
+
+    limits = jnp.any(sampling.top_k > 0) | jnp.any(sampling.top_p < 1)
+    return jax.lax.cond(limits, limited, lambda scaled: scaled, scaled)
+
+
 def _pick_next(
-    logits: Array, rng: Array, temperature: float, top_k: int, vocab_axis: int = -1
+    logits: Array, rng: Array, sampling: RowSampling | None, vocab_axis: int = -1
 ) -> Array:
-    """Greedy when temperature is 0, else sampling from the (top-k) tempered distribution.
-    `vocab_axis` 0: logits come as [vocab, rows] (the feature-major step's)."""
-    if temperature == 0.0:
+    """Greedy without `sampling`, else a draw from each row's sampled_logits with its own key
+    ([rows, 2]: a row's draw is independent of its batch mates). `vocab_axis` 0: logits come
+    as [vocab, rows] (the feature-major step's)."""
+    if sampling is None:
         return first_max_index(logits, vocab_axis)
     if vocab_axis == 0:
         # The barrier keeps XLA from folding the transpose into the logits' dot.
         logits = jax.lax.optimization_barrier(logits).T
-    logits = logits / temperature
-    if top_k > 0:
-        kth_best = jax.lax.top_k(logits, top_k)[0][..., -1:]
-        logits = jnp.where(logits < kth_best, -jnp.inf, logits)
-    if rng.ndim == 2:  # a key per row: each row's draw is independent of its batch mates
-        return jax.vmap(jax.random.categorical)(rng, logits).astype(jnp.int32)
-    return jax.random.categorical(rng, logits, axis=-1).astype(jnp.int32)
+    filtered = sampled_logits(logits, sampling)
+    return jax.vmap(jax.random.categorical)(rng, filtered).astype(jnp.int32)
 
 
 def _encode_and_make_cache(module, params, encoder_input_tokens: Array, max_decode_length: int):
@@ -166,6 +222,7 @@ class Slots(NamedTuple):
     out: Array  # [slots, max_length] tokens so far, zeros after
     done: Array  # [slots] finished (by EOS or length) or free
     keys: Array  # [slots, 2] each slot's sampling key (unused when greedy)
+    sampling: RowSampling  # each slot's temperature, top_k and top_p (unused when greedy)
 
 
 def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -> Slots:
@@ -186,6 +243,11 @@ def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -
             out=jnp.zeros((rows, max_length), jnp.int32),
             done=jnp.ones((rows,), jnp.bool_),
             keys=jnp.zeros((rows, 2), jnp.uint32),
+            sampling=RowSampling(
+                temperature=jnp.ones((rows,), jnp.float32),
+                top_k=jnp.zeros((rows,), jnp.int32),
+                top_p=jnp.ones((rows,), jnp.float32),
+            ),
         )
 
     return jax.eval_shape(empty, params)
@@ -207,13 +269,17 @@ def slot_axes(shapes: Slots) -> Slots:
         out=("batch", "length"),
         done=("batch",),
         keys=("batch", None),
+        sampling=RowSampling(("batch",), ("batch",), ("batch",)),
     )
 
 
-def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys: Array) -> Slots:
+def insert_rows(
+    module, params, slots: Slots, tokens: Array, where: Array, keys: Array, sampling: RowSampling
+) -> Slots:
     """Starts decoding `tokens` ([n, input length]) in slots `where` ([n]): their encoder runs
     and their caches are written over the slots' (an index past the last slot drops its row, so
-    a short group can be padded to a compiled size). keys: [n, 2] the rows' sampling keys."""
+    a short group can be padded to a compiled size). keys: [n, 2] the rows' sampling keys;
+    sampling: their values ([n] each)."""
     max_length = slots.out.shape[1]
     _, fresh = _encode_and_make_cache(module, params, tokens, max_length)
 
@@ -238,16 +304,19 @@ def insert_rows(module, params, slots: Slots, tokens: Array, where: Array, keys:
         out=rows(slots.out, jnp.zeros((len(where), max_length), jnp.int32)),
         done=rows(slots.done, zeros.astype(jnp.bool_)),
         keys=rows(slots.keys, keys),
+        sampling=RowSampling(
+            *(rows(old, new) for old, new in zip(slots.sampling, sampling, strict=True))
+        ),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class Picking:
-    """How `run_segment` picks tokens: greedy (temperature 0) or sampling, ending at eos_id."""
+    """How `run_segment` picks tokens: greedy, or sampling with each slot's own values (in the
+    slots, not in the program), ending at eos_id."""
 
     eos_id: int
-    temperature: float = 0.0
-    top_k: int = 0
+    samples: bool = False
 
 
 def run_segment(
@@ -265,14 +334,16 @@ def run_segment(
     def step(carry):
         s, steps = carry
         logits, cache = decoder_step(s.cache, s.encoder_tokens, s.token, s.position)
-        keys, step_keys = _split(s.keys) if picking.temperature > 0 else (s.keys, s.keys)
-        token = _pick_next(logits, step_keys, picking.temperature, picking.top_k, vocab_axis)
+        keys, step_keys = _split(s.keys) if picking.samples else (s.keys, s.keys)
+        sampling = s.sampling if picking.samples else None
+        token = _pick_next(logits, step_keys, sampling, vocab_axis)
         token = jnp.where(s.done, 0, token)
         written = (columns == s.position[:, None]) & ~s.done[:, None]
         out = jnp.where(written, token[:, None], s.out)
         position = jnp.where(s.done, s.position, s.position + 1)
         done = s.done | (token == picking.eos_id) | (position >= max_length)
-        return Slots(cache, s.encoder_tokens, token, position, out, done, keys), steps + 1
+        advanced = Slots(cache, s.encoder_tokens, token, position, out, done, keys, s.sampling)
+        return advanced, steps + 1
 
     def going(carry):
         s, steps = carry

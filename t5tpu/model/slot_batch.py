@@ -121,7 +121,15 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = 
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
     size = insert_size(shape.count)
-    rows = (arg((size, shape.bucket), np.int32), arg((size,), np.int32), arg((size, 2), np.uint32))
+    sampling = decoding.RowSampling(
+        arg((size,), np.float32), arg((size,), np.int32), arg((size,), np.float32)
+    )
+    rows = (
+        arg((size, shape.bucket), np.int32),
+        arg((size,), np.int32),
+        arg((size, 2), np.uint32),
+        sampling,
+    )
     compiles = (
         lambda: programs.insert.lower(params, state, *rows).compile(),
         lambda: programs.segment.lower(
@@ -140,18 +148,18 @@ def build_insert(*, engine, request, shape: Shape):
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
-    def insert(params, slots, tokens, where, keys):
-        return decoding.insert_rows(module, params, slots, tokens, where, keys)
+    def insert(params, slots, tokens, where, keys, sampling):
+        return decoding.insert_rows(module, params, slots, tokens, where, keys, sampling)
 
-    return engine.jit(insert, (state, replicated, replicated, replicated), state, (1,))
+    replicated_sampling = decoding.RowSampling(replicated, replicated, replicated)
+    in_shardings = (state, replicated, replicated, replicated, replicated_sampling)
+    return engine.jit(insert, in_shardings, state, (1,))
 
 
 def build_segment(*, engine, request, shape: Shape):
     """The program that decodes a batch's live slots until enough are free (jit'd)."""
-    module, settings = engine.network.module, request.settings
-    picking = decoding.Picking(
-        engine.network.vocabulary.eos_id, settings.temperature, settings.top_k
-    )
+    module = engine.network.module
+    picking = decoding.Picking(engine.network.vocabulary.eos_id, request.settings.samples)
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
@@ -195,8 +203,9 @@ class SlotBatch:
         if self.request.settings.samples:
             keys[: len(rows)] = row_keys(rows)
         put = self.engine.replicate
+        sampling = decoding.RowSampling(*map(put, _row_values(rows, self.request, size)))
         self._state = self._programs.insert(
-            self.engine.params, self._state, put(tokens), put(where), put(keys)
+            self.engine.params, self._state, put(tokens), put(where), put(keys), sampling
         )
         self.live.update(zip(free, rows, strict=False))
 
@@ -226,6 +235,18 @@ class SlotBatch:
         if not self.live and self._state is not None:
             self.engine.states.give_back(self.shape, self._state)
         self._state = None
+
+
+def _row_values(rows, request, size: int) -> decoding.RowSampling:
+    """[size] sampling values: each row's own (engine.Row.sampling), else the request's; the
+    padding rows' the request's."""
+    values = decoding.row_sampling(request.settings, size)
+    for position, row in enumerate(rows):
+        if row.sampling is not None:
+            own = decoding.row_sampling(row.sampling, 1)
+            for column, value in zip(values, own, strict=True):
+                column[position] = value[0]
+    return values
 
 
 def padded(rows, count: int, length: int) -> np.ndarray:

@@ -429,6 +429,7 @@ def infer(
     checkpoint_step: int | str = "latest",
     temperature: float = 0.0,
     top_k: int = 0,
+    top_p: float = 1.0,
     num_beams: int = 1,
     beam_alpha: float = 0.6,
     random_seed: int = 0,
@@ -438,17 +439,16 @@ def infer(
     exact_inputs: bool = False,
     partitioner: Partitioner | None = None,
 ) -> list[str]:
-    """Decodes INFER_INPUTS (texts from gin or the command line), else INFER_INPUT_FILE (one per
-    line), else the task's split: the first `num_examples` (None: all), `chunk_size` at a time,
-    the chunks of shard `shard_id` of `num_shards`, into `output_dir` (INFER_OUTPUT_DIR), else
-    MODEL_DIR; texts shaped as the run's task shaped its inputs (_Inputs). Returns the files."""
+    """Decodes INFER_INPUTS, else INFER_INPUT_FILE (one per line), else the task's split: the
+    first `num_examples` (None: all), `chunk_size` at a time, shard `shard_id` of `num_shards`'
+    chunks, into `output_dir` (else MODEL_DIR), texts shaped as the run's (_Inputs)."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    settings = decoding.DecodingSettings(temperature, top_k, num_beams, beam_alpha, random_seed)
+    positional = (temperature, top_k, num_beams, beam_alpha, random_seed, top_p)
+    settings = decoding.DecodingSettings(*positional)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
-    # Given texts are read first (a bad file refused); a task's split at the run's lengths.
     given = infer_inputs.given(inputs=inputs, input_file=input_file, num_examples=num_examples)
     restorable = _Checkpoints.checked(model_dir, checkpoint_step, model, partitioner)
     texts = _texts(restorable.record, task_feature_lengths, model.vocabulary, exact_inputs)

@@ -211,7 +211,8 @@ def from_task(
 def given(
     *, inputs: list[str] | str | None, input_file: str | None, num_examples: int | None
 ) -> InputSource | None:
-    """INFER_INPUTS if given, else INFER_INPUT_FILE, else None (a task's split is decoded)."""
+    """INFER_INPUTS if given, else INFER_INPUT_FILE, else None (a task's split is decoded, at
+    the run's lengths). Infer reads them before the checkpoints: a bad file is refused first."""
     if inputs:
         return from_texts(inputs, num_examples)
     if input_file:

@@ -28,8 +28,8 @@ def file_name(
     settings: decoding.DecodingSettings,
     exact_inputs: bool = False,
 ) -> str:
-    """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A> | -temp<T>[-top<K>]-seed<S>].jsonl
-    (-exact: INFER_EXACT_INPUTS where the run's shaping would change the inputs).
+    """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A> | -temp<T>[-top<K>][-topp<P>]
+    -seed<S>].jsonl (-exact: INFER_EXACT_INPUTS where the run's shaping changes the inputs).
 
     Every setting that changes the predictions is in the name, so decoding the same inputs
     another way never replaces earlier predictions, while the same command (deterministic, seed
@@ -43,6 +43,7 @@ def file_name(
         name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
     elif settings.samples:
         top = f"-top{settings.top_k}" if settings.top_k else ""
+        top += f"-topp{settings.top_p:g}" if settings.top_p < 1 else ""
         name += f"-temp{settings.temperature:g}{top}-seed{settings.seed}"
     return f"{name}.jsonl"
 

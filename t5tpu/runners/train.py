@@ -197,6 +197,7 @@ def _run_record(data: InputSettings) -> RunRecord:
         num_beams=bound.num_beams,
         temperature=float(bound.temperature),
         top_k=bound.top_k,
+        top_p=float(bound.top_p),
         beam_alpha=float(bound.beam_alpha),
         seed=bound.random_seed,
     )

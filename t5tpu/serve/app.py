@@ -3,19 +3,19 @@ batcher and wait for them, answering every failure as {"error": "<one line>"} wi
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
                                                "parameters": {num_beams, max_length,
-                                               temperature, top_k, seed, task,
+                                               temperature, top_k, top_p, seed, task,
                                                exact_inputs, adapter}}
     POST /v1/score                            {"instances": [{"input": ..., "target": ...}],
                                                "parameters": {task, exact_inputs, adapter}}
     POST /v1/<route>                          each route the tasks offer (task_calls.py):
                                                {"instances": [{<its fields>}], "parameters"}
+    GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503;
+                                               {"status", "adapters": [names]} (--adapter)
+    GET  /metrics                             Prometheus text format (serve_metrics.py)
 
 Inputs are shaped as the model's run shaped its training inputs (text_to_text's INPUT_PREFIX,
 Quora's lower-casing) unless "exact_inputs" is true; a task route refuses a model trained on
 another task with a 400 unless "check_task" is false.
-    GET  /health (and AIP_HEALTH_ROUTE)       200 once the model is loaded and compiled, else 503;
-                                               {"status", "adapters": [names]} (--adapter)
-    GET  /metrics                             Prometheus text format (serve_metrics.py)
 
 docs/SERVING.md has the answers' shapes. Parsing, checking and tokenizing run in Starlette's
 thread pool, the model in the batcher's worker thread; the event loop only moves bytes. A
@@ -250,11 +250,13 @@ class Service:
 def _decode_rows(
     worker: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
 ) -> list:
-    """(group, row) pairs of inputs to decode; row i samples from its index i."""
+    """(group, row) pairs of inputs to decode; row i samples from its index i, with the
+    request's own sampling values (its group's batches hold rows of any)."""
+    sampling = worker.sampling(decoding)
     return [
         (
             Group.for_decoding(decoding, worker.input_bucket(ids.ids), adapter),
-            Row(ids=ids.ids, index=i, seed=decoding.seed),
+            Row(ids=ids.ids, index=i, seed=decoding.seed, sampling=sampling),
         )
         for i, ids in enumerate(encoded)
     ]

@@ -180,6 +180,7 @@ def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
         max_length=target_length,
         temperature=float(_bound_or("temperature", run.temperature)),
         top_k=_bound_or("top_k", run.top_k),
+        top_p=float(_bound_or("top_p", run.top_p)),
         seed=_bound_or("random_seed", run.seed),
     )
 
@@ -189,6 +190,7 @@ def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
     return decoding.DecodingSettings(
         temperature=settings.temperature,
         top_k=settings.top_k,
+        top_p=settings.top_p,
         num_beams=settings.num_beams,
         beam_alpha=setup.beam_alpha,
     )

@@ -55,7 +55,10 @@ class Group:
 
     @classmethod
     def for_decoding(cls, settings: Decoding, length: int, adapter: str | None = None) -> Group:
-        # The seed only picks row keys: rows of every seed share a program and a batch.
+        # The seed only picks row keys, and sampling's values are each row's (engine.Row's
+        # `sampling`): rows of every seed, temperature, top_k and top_p share a batch.
+        if settings.temperature > 0 and settings.num_beams == 1:
+            settings = dataclasses.replace(settings, temperature=1.0, top_k=0, top_p=1.0)
         return cls("decode", length, dataclasses.replace(settings, seed=0), adapter)
 
     @classmethod
@@ -193,10 +196,17 @@ class ModelWorker:
         for decoded in engine.stream(queued, request, poll_steps=_POLL_STEPS):
             feed.answer(decoded.row.tag, self.vocabulary.decode(decoded.ids.tolist()))
 
+    def sampling(self, wanted: Decoding) -> decoding.DecodingSettings | None:
+        """A request's own sampling values, which its rows carry (None when it does not
+        sample)."""
+        request = self._request(wanted)
+        return request.settings if request.settings.samples else None
+
     def _request(self, wanted: Decoding) -> Request:
         settings = decoding.DecodingSettings(
             temperature=wanted.temperature,
             top_k=wanted.top_k,
+            top_p=wanted.top_p,
             num_beams=wanted.num_beams,
             beam_alpha=self._beam_alpha,
         )

@@ -15,13 +15,14 @@ import json
 from collections.abc import Callable, Sequence
 
 from t5tpu import validators
+from t5tpu.model.decoding import TEMPERATURES
 from t5tpu.tasks.serving import Field, Route
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
 # batch many times the compiled one.
 MAX_NUM_BEAMS = 16
 _MAX_SEED = 2**31 - 1
-DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "seed")
+DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "top_p", "seed")
 # The parameter naming the task whose route a request uses.
 TASK = "task"
 # The parameter naming the LoRA adapter a request runs with (a server started with --adapter).
@@ -53,6 +54,7 @@ class Decoding:
     temperature: float = 0.0
     top_k: int = 0
     seed: int = 0
+    top_p: float = 1.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,25 +217,39 @@ def _whole(parameters: dict, name: str, low: int, high: int, default: int) -> in
     return value
 
 
-def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
-    temperature = parameters.get("temperature", defaults.temperature)
-    rule = validators.number(low=0)
-    if not rule.accepts(temperature):
+def _temperature(parameters: dict, default: float) -> float:
+    """0 (greedy) or a temperature float32 programs divide by safely (decoding.TEMPERATURES)."""
+    value = parameters.get("temperature", default)
+    low, high = TEMPERATURES
+    if not (validators.is_number(value) and (value == 0 or low <= value <= high)):
         raise PayloadError(
-            rule.message("parameter temperature", temperature, shown=json.dumps)
-            + " (0 is greedy, above 0 samples)"
+            f"parameter temperature = {json.dumps(value)} must be 0 (greedy) or a number from "
+            f"{low:g} to {high:g} (sampling)"
         )
+    return float(value)
+
+
+def _top_p(parameters: dict, default: float) -> float:
+    value = parameters.get("top_p", default)
+    if not (validators.is_number(value) and 0 < value <= 1):
+        raise PayloadError(f"parameter top_p = {json.dumps(value)} must be above 0 and at most 1")
+    return float(value)
+
+
+def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
     decoding = Decoding(
         num_beams=_whole(parameters, "num_beams", 1, MAX_NUM_BEAMS, defaults.num_beams),
         max_length=_whole(parameters, "max_length", 1, limits.max_length, defaults.max_length),
-        temperature=float(temperature),
+        temperature=_temperature(parameters, defaults.temperature),
         top_k=_whole(parameters, "top_k", 0, limits.vocab_size, defaults.top_k),
+        top_p=_top_p(parameters, defaults.top_p),
         seed=_whole(parameters, "seed", 0, _MAX_SEED, defaults.seed),
     )
-    if decoding.num_beams > 1 and (decoding.temperature > 0 or decoding.top_k > 0):
+    samples = decoding.temperature > 0 or decoding.top_k > 0 or decoding.top_p < 1
+    if decoding.num_beams > 1 and samples:
         raise PayloadError(
             f"num_beams={decoding.num_beams} is beam search, which does not sample: send "
-            "temperature 0 and top_k 0 with it, or num_beams 1 to sample"
+            "temperature 0, top_k 0 and top_p 1 with it, or num_beams 1 to sample"
         )
     return decoding
 
