@@ -10,11 +10,13 @@ import jax.numpy as jnp
 
 from t5tpu.model.decoding import (
     DecodingSettings,
+    Picking,
+    Prefix,
     _decoder_step,
     _encode_and_make_cache,
     _pick_next,
     _split,
-    row_sampling,
+    row_settings,
 )
 
 Array = jax.Array
@@ -36,7 +38,8 @@ def decode(
     `rng`: a key per row ([batch, 2]), or one key split into a key per row."""
     batch = encoder_input_tokens.shape[0]
     settings = DecodingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
-    sampling = row_sampling(settings, batch) if temperature > 0 else None
+    values = jax.tree_util.tree_map(jnp.asarray, row_settings(settings, batch))
+    picking = Picking(eos_id, samples=temperature > 0)
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
     dummy_targets = jnp.zeros((batch, max_decode_length), jnp.int32)
     rng = jax.random.PRNGKey(0) if rng is None else rng
@@ -48,7 +51,8 @@ def decode(
             module, params, cache, encoded, encoder_input_tokens, token, position
         )
         rng, step_rng = _split(rng)
-        next_token = _pick_next(logits, step_rng, sampling)
+        prefix = Prefix(out, jnp.full((batch,), position), ~done)
+        next_token = _pick_next(logits, step_rng, picking, values, prefix)
         next_token = jnp.where(done, 0, next_token)
         out = out.at[:, position].set(next_token)
         done = done | (next_token == eos_id)

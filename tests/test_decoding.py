@@ -105,10 +105,13 @@ def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
 
     rows = [(1.0, 0, 1.0), (0.7, 5, 1.0), (1.3, 0, 0.9), (0.5, 40, 0.6), (2.0, 3, 0.05)]
     logits = np.random.default_rng(0).normal(0, 3, size=(len(rows), 257)).astype(np.float32)
-    sampling = decoding.RowSampling(
+    sampling = decoding.RowSettings(
         temperature=jnp.asarray([t for t, _, _ in rows], jnp.float32),
         top_k=jnp.asarray([k for _, k, _ in rows], jnp.int32),
         top_p=jnp.asarray([p for _, _, p in rows], jnp.float32),
+        repetition_penalty=jnp.ones((len(rows),), jnp.float32),
+        no_repeat_ngram_size=jnp.zeros((len(rows),), jnp.int32),
+        min_new_tokens=jnp.zeros((len(rows),), jnp.int32),
     )
     ours = np.asarray(jax.jit(decoding.sampled_logits)(jnp.asarray(logits), sampling))
     for row, (temperature, top_k, top_p) in enumerate(rows):
@@ -124,3 +127,70 @@ def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
     # The limits do something: rows keep k tokens, or fewer under top-p.
     assert [int(np.isfinite(r).sum()) for r in ours][:2] == [257, 5]
     assert 1 <= np.isfinite(ours[4]).sum() <= 3
+
+
+def test_penalties_then_sampling_filter_each_row_as_hugging_faces_processors_do():
+    """Repetition penalty, no-repeat n-grams and min_new_tokens, then temperature, top-k and
+    top-p, each row with its own values and tokens so far: the same logits kept, the same
+    values, as transformers' logits processors in generate's order on the same inputs."""
+    torch = pytest.importorskip("torch")
+    from transformers import generation
+
+    from t5tpu.model import decoding
+
+    # (repetition_penalty, no_repeat_ngram_size, min_new_tokens, temperature, top_k, top_p)
+    rows = [
+        (1.0, 0, 0, 1.0, 0, 1.0),
+        (1.5, 0, 0, 0.7, 0, 1.0),
+        (0.7, 2, 0, 1.0, 9, 1.0),
+        (1.2, 1, 9, 1.3, 0, 0.9),
+        (2.0, 3, 3, 0.5, 20, 0.8),
+        (1.0, 4, 0, 1.0, 0, 1.0),
+    ]
+    vocab, max_length, eos = 37, 12, 1
+    rng = np.random.default_rng(3)
+    logits = rng.normal(0, 3, size=(len(rows), vocab)).astype(np.float32)
+    positions = np.asarray([0, 3, 8, 6, 10, 9])
+    out = np.zeros((len(rows), max_length), np.int32)
+    for row, position in enumerate(positions):  # few distinct tokens: n-grams recur
+        out[row, :position] = rng.integers(2, 6, size=position)
+    out[5, :9] = [2, 3, 4] * 3  # its last three tokens came before, followed by 2
+    columns = list(zip(*rows, strict=True))
+    values = decoding.RowSettings(
+        temperature=jnp.asarray(columns[3], jnp.float32),
+        top_k=jnp.asarray(columns[4], jnp.int32),
+        top_p=jnp.asarray(columns[5], jnp.float32),
+        repetition_penalty=jnp.asarray(columns[0], jnp.float32),
+        no_repeat_ngram_size=jnp.asarray(columns[1], jnp.int32),
+        min_new_tokens=jnp.asarray(columns[2], jnp.int32),
+    )
+    prefix = decoding.Prefix(jnp.asarray(out), jnp.asarray(positions), jnp.ones(len(rows), bool))
+
+    def ours(logits):
+        return decoding.sampled_logits(
+            decoding.penalized_logits(logits, values, prefix, eos), values
+        )
+
+    got = np.asarray(jax.jit(ours)(jnp.asarray(logits)))
+    for row, (penalty, ngrams, least, temperature, top_k, top_p) in enumerate(rows):
+        processors = generation.LogitsProcessorList()
+        if penalty != 1:
+            processors.append(generation.RepetitionPenaltyLogitsProcessor(penalty))
+        if ngrams:
+            processors.append(generation.NoRepeatNGramLogitsProcessor(ngrams))
+        if least:
+            processors.append(generation.MinNewTokensLengthLogitsProcessor(1, least, eos))
+        processors.append(generation.TemperatureLogitsWarper(temperature))
+        if top_k:
+            processors.append(generation.TopKLogitsWarper(top_k))
+        if top_p < 1:
+            processors.append(generation.TopPLogitsWarper(top_p))
+        decoder_inputs = torch.tensor([[0, *out[row, : positions[row]]]])  # the start token 0
+        theirs = processors(decoder_inputs, torch.tensor(logits[row : row + 1])).numpy()[0]
+        kept = np.isfinite(theirs)
+        np.testing.assert_array_equal(np.isfinite(got[row]), kept, err_msg=str(rows[row]))
+        np.testing.assert_allclose(got[row][kept], theirs[kept], rtol=1e-6, err_msg=str(rows[row]))
+    # Each processor does something here: n-grams banned, EOS held off, penalties applied.
+    assert np.flatnonzero(~np.isfinite(got[5])).tolist() == [2]
+    assert not np.isfinite(got[3][eos])
+    assert np.isfinite(got[0]).all() and not np.allclose(got[1], logits[1] / 0.7)

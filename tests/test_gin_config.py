@@ -15,6 +15,7 @@ from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
 from t5tpu.formats import loader
+from t5tpu.model import decoding
 from t5tpu.runners import infer
 
 
@@ -31,7 +32,7 @@ def test_reading_a_checkpoints_model_leaves_the_callers_gin_config_as_it_was():
     assert model.vocabulary.vocab_size == 1024
     assert _state() == before
     assert gin.query_parameter("%TRAIN_STEPS") == 7
-    assert runner_settings.bound_settings(infer.infer, runner_settings.InferSettings).num_beams == 3
+    assert runner_settings.infer_decoding().num_beams == 3
 
 
 def test_a_bad_model_file_leaves_the_callers_gin_config_as_it_was(tmp_path):
@@ -47,8 +48,11 @@ def test_a_bad_model_file_leaves_the_callers_gin_config_as_it_was(tmp_path):
 def test_infer_settings_are_the_bound_values_else_the_runners_defaults():
     gin_setup.parse([TINY_EXPERIMENT], ["NUM_BEAMS = 4", "infer.beam_alpha = 0.8"], [])
     settings = runner_settings.bound_settings(infer.infer, runner_settings.InferSettings)
-    assert (settings.num_beams, settings.beam_alpha) == (4, 0.8)
-    assert (settings.temperature, settings.top_k, settings.truncation) == (0.0, 0, "warn")
+    assert settings.truncation == "warn"
+    chosen = runner_settings.infer_decoding()
+    assert (chosen.num_beams, chosen.beam_alpha, chosen.temperature, chosen.top_k) == (4, 0.8, 0, 0)
+    assert runner_settings.infer_decoding(decoding.DecodingSettings(seed=7)).seed == 7
+    assert runner_settings.infer_decoding(decoding.DecodingSettings(num_beams=2)).num_beams == 4
     assert settings.task_feature_lengths == gin_setup.bound_value("infer.task_feature_lengths")
     assert settings.model_dir is None  # the experiment leaves MODEL_DIR to the command line
 
@@ -116,8 +120,8 @@ def test_a_runners_settings_by_name_need_no_gin_file_and_no_import_of_runners():
 
     code = (
         "from t5tpu.config import runner_settings as r\n"
-        "s = r.bound_settings('infer', r.InferSettings)\n"
-        "print(s.num_beams, s.truncation, s.beam_alpha)\n"
+        "s, d = r.bound_settings('infer', r.InferSettings), r.infer_decoding()\n"
+        "print(d.num_beams, s.truncation, d.beam_alpha)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["1", "warn", "0.6"]

@@ -176,6 +176,17 @@ def test_greedy_decodes_match_transformers_generate(saved, variant):
     model, _, config, params = saved[variant]
     inputs, _ = _batch()
     length = 10
+    expected = _hf_generate(model, inputs, length)
+    module = Transformer(config)
+    ours = jax.jit(lambda p, x: reference_decoding.decode(module, p, x, length, EOS))(
+        params, jnp.asarray(inputs, jnp.int32)
+    )
+    np.testing.assert_array_equal(np.asarray(ours), expected)
+    assert len({tuple(row) for row in expected}) == 3  # the rows decode differently
+
+
+def _hf_generate(model, inputs, length: int, **options) -> np.ndarray:
+    """transformers' greedy generate of `inputs`, [rows, length], zeros after EOS."""
     with torch.no_grad():
         generated = model.generate(
             input_ids=torch.tensor(inputs),
@@ -186,15 +197,52 @@ def test_greedy_decodes_match_transformers_generate(saved, variant):
             decoder_start_token_id=0,
             eos_token_id=EOS,
             pad_token_id=0,
+            **options,
         ).numpy()[:, 1:]  # drop the start token
-    expected = np.zeros((3, length), np.int64)
+    expected = np.zeros((len(inputs), length), np.int64)
     expected[:, : generated.shape[1]] = generated
-    module = Transformer(config)
-    ours = jax.jit(lambda p, x: reference_decoding.decode(module, p, x, length, EOS))(
-        params, jnp.asarray(inputs, jnp.int32)
-    )
-    np.testing.assert_array_equal(np.asarray(ours), expected)
-    assert len({tuple(row) for row in expected}) == 3  # the rows decode differently
+    return expected
+
+
+# Hugging Face's options that change greedy decoding, as t5tpu takes them too.
+PENALTIES = {
+    "repetition": {"repetition_penalty": 1.8},
+    "no_repeat": {"no_repeat_ngram_size": 2},
+    "min_new": {"min_new_tokens": 9},
+    "together": {"repetition_penalty": 0.6, "no_repeat_ngram_size": 1, "min_new_tokens": 4},
+}
+
+
+def test_greedy_with_penalties_decodes_as_transformers_generate(tmp_path):
+    """Through t5tpu.load's generate_ids, option by option, then every option in one batch of
+    the engine (each row its own values, one program): the ids of transformers' generate. The
+    T5 1.1 fixture's EOS made likelier, so that rows end early and min_new_tokens matters."""
+    from t5tpu import api
+    from t5tpu.model import decoding, engine
+
+    model = _hf_model("1.1")
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 4
+    model.save_pretrained(tmp_path)
+    inputs, _ = _batch()
+    length = 12
+    loaded = api.load(str(tmp_path), batch_size=4, max_target_length=length)
+    plain = loaded.generate_ids(inputs)
+    expected = {name: _hf_generate(model, inputs, length, **o) for name, o in PENALTIES.items()}
+    for name, options in PENALTIES.items():
+        np.testing.assert_array_equal(loaded.generate_ids(inputs, **options), expected[name])
+        assert not np.array_equal(expected[name], plain), name  # the option changes the ids
+    rows = [[int(i) for i in row if i] for row in inputs]
+    mixed = [
+        engine.Row(tuple(ids), tag=(name, r), settings=decoding.DecodingSettings(**options))
+        for name, options in PENALTIES.items()
+        for r, ids in enumerate(rows)
+    ]
+    feed = engine.ListFeed(mixed, bucket=loaded.engine.bucket)
+    request = engine.Request(decoding.DecodingSettings(), length)
+    for decoded in loaded.engine.stream(feed, request):
+        name, r = decoded.row.tag
+        np.testing.assert_array_equal(decoded.ids, expected[name][r], err_msg=name)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -100,16 +100,40 @@ def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_
         decoding.DecodingSettings(num_beams=num_beams, top_p=top_p).check(VOCAB)
 
 
+@pytest.mark.parametrize(
+    "settings, message",
+    [
+        ({"repetition_penalty": 0.0}, "REPETITION_PENALTY = 0.0 must be a number from 0.001"),
+        ({"repetition_penalty": "high"}, "REPETITION_PENALTY = 'high' must be a number from"),
+        ({"repetition_penalty": 1e9}, "REPETITION_PENALTY = 1000000000.0 must be a number"),
+        ({"no_repeat_ngram_size": -1}, "NO_REPEAT_NGRAM_SIZE = -1 must be a whole number >= 0"),
+        ({"min_new_tokens": 2.5}, "MIN_NEW_TOKENS = 2.5 must be a whole number >= 0"),
+        ({"num_beams": 2, "min_new_tokens": 3}, "beam search does not take REPETITION_PENALTY"),
+    ],
+)
+def test_check_settings_refuses_penalties_out_of_range_or_beside_beams(settings, message):
+    decoding.DecodingSettings(repetition_penalty=1.2, no_repeat_ngram_size=3).check(VOCAB)
+    with pytest.raises(UserError, match=re.escape(message)):
+        decoding.DecodingSettings(**settings).check(VOCAB)
+
+
 def test_decoding_macros_are_defined_once_for_eval_and_infer():
     """eval.gin and infer.gin both include decoding.gin and define none of its macros: a default
     of their own would silently change the other command's, as experiments include both."""
     texts = {name: pathlib.Path(RUNS, name).read_text() for name in ("eval.gin", "infer.gin")}
     texts["decoding.gin"] = pathlib.Path(RUNS, "decoding.gin").read_text()
     defined = {
-        name: re.findall(r"^(NUM_BEAMS|TEMPERATURE|TOP_K) = (.*)$", text, re.M)
+        name: re.findall(
+            r"^(NUM_BEAMS|TEMPERATURE|TOP_K|TOP_P|REPETITION_PENALTY|NO_REPEAT_NGRAM_SIZE"
+            r"|MIN_NEW_TOKENS) = (.*)$",
+            text,
+            re.M,
+        )
         for name, text in texts.items()
     }
     decoding_macros = [("NUM_BEAMS", "1"), ("TEMPERATURE", "0.0"), ("TOP_K", "0")]
+    decoding_macros += [("TOP_P", "1.0"), ("REPETITION_PENALTY", "1.0")]
+    decoding_macros += [("NO_REPEAT_NGRAM_SIZE", "0"), ("MIN_NEW_TOKENS", "0")]
     assert defined == {"eval.gin": [], "infer.gin": [], "decoding.gin": decoding_macros}
     for name in ("eval.gin", "infer.gin"):
         assert "include 'configs/runs/decoding.gin'" in texts[name]

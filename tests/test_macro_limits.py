@@ -27,6 +27,9 @@ BAD = {
     "TASK_FEATURE_LENGTHS = 512": "must be None or a dict of feature lengths >= 1",
     "INFER_EXACT_INPUTS = 1": "must be True or False",
     "TOP_P = 0": "must be a number > 0",
+    "REPETITION_PENALTY = 0": "must be a number > 0, e.g. --gin.REPETITION_PENALTY=1.2",
+    "NO_REPEAT_NGRAM_SIZE = -2": "must be a whole number >= 0",
+    "MIN_NEW_TOKENS = 'four'": "must be a whole number >= 0",
     "MODEL_DIR = ''": "MODEL_DIR = '' must be None or a path (a non-empty string), e.g. --gin.MO",
     "INFER_INPUT_FILE = 5": "INFER_INPUT_FILE = 5 must be None or a path",
 }

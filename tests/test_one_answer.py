@@ -341,6 +341,41 @@ def test_text_to_text_answers_everywhere_as_hf_generate_on_the_prefixed_line(
     assert runs.servers["text"].predict([*TEXT_LINES, ""], exact_inputs=True) == exact
 
 
+PENALTIES = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "min_new_tokens": 6}
+
+
+def test_text_to_text_penalties_answer_everywhere_as_hf_generate(runs, models, exports, tmp_path):
+    """Hugging Face's repetition_penalty, no_repeat_ngram_size and min_new_tokens: infer's
+    macros, predict's and serve's parameters and transformers' generate on the export, alike."""
+    import torch
+    import transformers
+
+    model, record = models.text, models.text.run_record
+    tokenizer = transformers.AutoTokenizer.from_pretrained(exports.text)
+    reference_model = transformers.T5ForConditionalGeneration.from_pretrained(exports.text).eval()
+    reference = []
+    for line in TEXT_LINES:
+        encoded = tokenizer(
+            record.shaping.prefix + line,
+            truncation=True,
+            max_length=record.input_length,
+            return_tensors="pt",
+        )
+        with torch.no_grad():
+            ids = reference_model.generate(
+                **encoded, do_sample=False, max_new_tokens=record.target_length, **PENALTIES
+            )
+        reference.append(tokenizer.decode(ids[0], skip_special_tokens=True))
+    flags = [f"--gin.{name.upper()}={value}" for name, value in PENALTIES.items()]
+    rows = infer(
+        runs.text, tmp_path / "infer", TEXT_LINES, *flags, gin_file=TEXT_TO_TEXT_EXPERIMENT
+    )
+    assert [row["prediction"] for row in rows] == reference
+    assert model.predict(TEXT_LINES, **PENALTIES) == reference
+    assert runs.servers["text"].predict(TEXT_LINES, **PENALTIES) == reference
+    assert reference != model.predict(TEXT_LINES)  # the penalties change answers
+
+
 @pytest.mark.parametrize(("flags", "parameters"), SEARCHES, ids=["beam", "sampling", "top_p"])
 def test_text_to_text_beam_search_and_sampling_agree(runs, models, flags, parameters, tmp_path):
     rows = infer(

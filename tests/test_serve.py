@@ -32,7 +32,7 @@ import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, succeeded, t5tpu
 from t5tpu.tasks import quora
 
-from t5tpu.model import decoding, engine
+from t5tpu.model import engine
 from t5tpu.serve import app, batcher, model_worker, server
 from t5tpu.serve.payloads import Decoding
 from t5tpu.storage import run_record
@@ -365,6 +365,27 @@ BAD_REQUESTS = [
     (
         "POST",
         "/v1/predict",
+        {"instances": ["a"], "parameters": {"repetition_penalty": 0}},
+        400,
+        "repetition_penalty = 0 must be a number from 0.001 to 1000 (1: none)",
+    ),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"no_repeat_ngram_size": -1}},
+        400,
+        "no_repeat_ngram_size",
+    ),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"num_beams": 2, "min_new_tokens": 2}},
+        400,
+        "does not take repetition_penalty, no_repeat_ngram_size or min_new_tokens",
+    ),
+    (
+        "POST",
+        "/v1/predict",
         {"instances": ["a"], "parameters": {"num_beams": 2, "temperature": 0.5}},
         400,
         "does not sample",
@@ -497,13 +518,10 @@ class StandInEngine:
         self.words: dict[str, int] = {}
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
 
-    def sampling(self, wanted: Decoding):
-        """A request's own sampling values, as ModelWorker.sampling gives them."""
-        if wanted.temperature == 0:
-            return None
-        return decoding.DecodingSettings(
-            temperature=wanted.temperature, top_k=wanted.top_k, top_p=wanted.top_p
-        )
+    def row_settings(self, wanted: Decoding):
+        """A request's own values, as ModelWorker.row_settings gives them."""
+        settings = wanted.settings(beam_alpha=0.6)
+        return settings if settings.samples or settings.penalizes else None
 
     def answers_as(self, record) -> None:
         """Answers as a run of `record` (None: one that records none), as a loaded model's."""
@@ -538,7 +556,7 @@ class StandInEngine:
         if "fail" in texts:
             raise ValueError("the stand-in model failed\non two lines")
         temperatures = [
-            row.sampling.temperature if row.sampling else group.decoding.temperature for row in rows
+            row.settings.temperature if row.settings else group.decoding.temperature for row in rows
         ]
         return [f"{text.upper()} t={t}" for text, t in zip(texts, temperatures, strict=True)]
 
@@ -599,8 +617,9 @@ def hold_the_worker(pool, port: int, fake: StandInEngine):
 
 
 def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_them(stand_in):
-    """Greedy rows batch with greedy ones; sampling rows with sampling ones whatever their
-    temperature, top_k or top_p (each row's own values go with it, into its slot)."""
+    """Greedy rows batch with greedy ones whatever their penalties; sampling rows with sampling
+    ones whatever their temperature, top_k or top_p (each row's own values go with it, into
+    its slot)."""
     port, fake, running = stand_in
     temperatures = (0.5, 0.7, 0.9)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -609,7 +628,8 @@ def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_th
             pool.submit(predict, port, [f"a{i}"], {"temperature": t, "top_p": 0.9})
             for i, t in enumerate(temperatures)
         ]
-        cold = [pool.submit(predict, port, [f"b{i}"]) for i in range(3)]
+        penalized = ({}, {"repetition_penalty": 1.3}, {"no_repeat_ngram_size": 2})
+        cold = [pool.submit(predict, port, [f"b{i}"], p) for i, p in enumerate(penalized)]
         wait_for(lambda: running.service.batcher.depth == 6)
         fake.gate.set()
         assert first.result()["predictions"] == ["WARM t=0.0"]
@@ -620,8 +640,13 @@ def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_th
     sizes = sorted((group.decoding.temperature, len(rows)) for group, rows in fake.batches[1:])
     assert sizes == [(0.0, 3), (1.0, 3)]  # the sampling group's key: temperature 1.0, any row's
     (sampled,) = [rows for group, rows in fake.batches[1:] if group.decoding.temperature]
-    assert sorted(row.sampling.temperature for row in sampled) == list(temperatures)
-    assert {row.sampling.top_p for row in sampled} == {0.9}
+    assert sorted(row.settings.temperature for row in sampled) == list(temperatures)
+    assert {row.settings.top_p for row in sampled} == {0.9}
+    (greedy,) = [rows for group, rows in fake.batches[1:] if not group.decoding.temperature]
+    own = [row.settings for row in greedy]
+    assert own.count(None) == 1  # a plain greedy row carries nothing
+    penalties = sorted((s.repetition_penalty, s.no_repeat_ngram_size) for s in own if s)
+    assert penalties == [(1.0, 2), (1.3, 0)]
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_queued_are_answered(stand_in):

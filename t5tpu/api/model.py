@@ -141,6 +141,9 @@ class T5Model:
         top_k: int | None = None,
         top_p: float | None = None,
         seed: int | None = None,
+        repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_new_tokens: int | None = None,
     ) -> np.ndarray:
         """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros.
 
@@ -148,8 +151,9 @@ class T5Model:
         as a tokenizer writes them. num_beams > 1 is beam search (the run's length penalty,
         0.6 by default); temperature > 0 samples (from the top_k most likely tokens when top_k
         > 0, then the fewest whose probability reaches top_p when it is below 1, as Hugging
-        Face's warpers do), seeded. Each setting left None is the run's (`decoding_defaults`),
-        the length the model's max_target_length.
+        Face's warpers do), seeded. Greedy and sampling take Hugging Face's
+        repetition_penalty, no_repeat_ngram_size and min_new_tokens. Each setting left None is
+        the run's (`decoding_defaults`), the length the model's max_target_length.
         """
         request = self._settings(
             max_length=max_new_tokens,
@@ -158,6 +162,9 @@ class T5Model:
             top_k=top_k,
             top_p=top_p,
             seed=seed,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens,
         )
         return self._generate(_ids_rows(input_ids), request)
 
@@ -209,6 +216,9 @@ class T5Model:
         top_p: float | None = None,
         max_length: int | None = None,
         seed: int | None = None,
+        repetition_penalty: float | None = None,
+        no_repeat_ngram_size: int | None = None,
+        min_new_tokens: int | None = None,
         exact_inputs: bool = False,
     ) -> list[str]:
         """The model's output text for each input, each input first shaped as the run's task
@@ -221,6 +231,9 @@ class T5Model:
             top_k=top_k,
             top_p=top_p,
             seed=seed,
+            repetition_penalty=repetition_penalty,
+            no_repeat_ngram_size=no_repeat_ngram_size,
+            min_new_tokens=min_new_tokens,
         )
         rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
         return self._predict_texts(rows, first=0, settings=settings)
@@ -301,7 +314,10 @@ class T5Model:
         return encode(self.vocabulary, text, limit or self.shapes.max_input_length).ids
 
 
-_SETTINGS = ("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs")
+_SETTINGS = (
+    *("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs"),
+    *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
+)
 
 
 def _known(settings: dict) -> dict:

@@ -190,6 +190,9 @@ INFER = GinCommand(
         Macro("TEMPERATURE", "0.0", "above 0: sampling instead of greedy decoding"),
         Macro("TOP_K", "0", "sample from the k most likely tokens (0: all)"),
         Macro("TOP_P", "1.0", "then from the fewest whose probability reaches p (1.0: all)"),
+        Macro("REPETITION_PENALTY", "1.0", "above 1: tokens decoded already less likely"),
+        Macro("NO_REPEAT_NGRAM_SIZE", "0", "n: no n-gram decoded twice (0: off)"),
+        Macro("MIN_NEW_TOKENS", "0", "end-of-sequence forbidden before this many tokens"),
         _NUM_BEAMS,
     ),
     example=f"t5tpu infer --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "

@@ -74,6 +74,9 @@ LIMITS: dict[str, Limit] = {
     "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
     "TOP_K": _count("40"),
     "TOP_P": Limit(validators.number(above=0), "0.9"),
+    "REPETITION_PENALTY": Limit(validators.number(above=0), "1.2"),
+    "NO_REPEAT_NGRAM_SIZE": _count("3"),
+    "MIN_NEW_TOKENS": _count("4"),
     # None: infer's "the run's" (a run that trains or evaluates still needs them).
     "TASK_FEATURE_LENGTHS": Limit(
         validators.optional(Rule(_lengths, "a dict of feature lengths >= 1")),

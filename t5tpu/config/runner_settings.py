@@ -14,9 +14,13 @@ from typing import TypeVar
 
 import gin
 
+from t5tpu import validators
 from t5tpu.config import gin_setup
+from t5tpu.model.decoding import DecodingSettings
 
 T = TypeVar("T")
+# infer's arguments named otherwise than DecodingSettings' fields.
+_INFER_NAMES = {"seed": "random_seed"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,12 +31,6 @@ class InferSettings:
     model_dir: str | None
     checkpoint_step: int | str
     task_feature_lengths: dict | None
-    num_beams: int
-    temperature: float
-    top_k: int
-    top_p: float
-    random_seed: int
-    beam_alpha: float
     truncation: str
 
 
@@ -74,3 +72,21 @@ def bound_settings(runner: Callable | str, settings: type[T]) -> T:
             value = None if unset else default
         values[field.name] = value
     return settings(**values)
+
+
+def infer_decoding(recorded: DecodingSettings | None = None) -> DecodingSettings:
+    """How `t5tpu infer` would decode: each of its decoding arguments where the gin files bind
+    it, else `recorded`'s (a run's record), else infer's default. Not checked here: the
+    caller checks against the model's vocabulary."""
+    gin_setup.import_configurables()
+    parameters = inspect.signature(gin.get_configurable("infer")).parameters
+    values = {}
+    for field in dataclasses.fields(DecodingSettings):
+        name = _INFER_NAMES.get(field.name, field.name)
+        value = gin_setup.bound_value(f"infer.{name}")
+        if value is None or value is gin.REQUIRED:
+            value = getattr(recorded, field.name) if recorded else parameters[name].default
+        if field.type == "float" and validators.is_number(value):
+            value = float(value)
+        values[field.name] = value
+    return DecodingSettings(**values)

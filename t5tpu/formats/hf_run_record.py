@@ -51,6 +51,12 @@ def generation_config(record: RunRecord | None) -> dict:
     fields["do_sample"] = sampling
     if sampling:
         fields.update(temperature=decoding.temperature, top_k=decoding.top_k, top_p=decoding.top_p)
+    penalties = {
+        "repetition_penalty": (decoding.repetition_penalty, 1.0),
+        "no_repeat_ngram_size": (decoding.no_repeat_ngram_size, 0),
+        "min_new_tokens": (decoding.min_new_tokens, 0),
+    }
+    fields.update((name, value) for name, (value, off) in penalties.items() if value != off)
     return fields
 
 

@@ -29,16 +29,19 @@ Array = jax.Array
 
 # Sampling temperatures a float32 program divides by without overflow or a zero: 0 is greedy.
 TEMPERATURES = (1e-6, 1e6)
+# Repetition penalties a float32 program multiplies and divides logits by without overflow.
+PENALTIES = (1e-3, 1e3)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodingSettings:
     """How to pick each next token: greedy (temperature 0), sampling (temperature > 0, from the
     top_k most likely tokens and the smallest set whose probability reaches top_p, in Hugging
-    Face's order), or beam search (num_beams > 1, length penalty beam_alpha). `seed` feeds
-    sampling only. The gin macros TEMPERATURE, TOP_K, TOP_P and NUM_BEAMS set these for eval
-    and infer. A sampling program takes temperature, top_k and top_p as values: one program
-    samples with any of them."""
+    Face's order), or beam search (num_beams > 1, length penalty beam_alpha). Greedy and
+    sampling also take Hugging Face's repetition_penalty, no_repeat_ngram_size and
+    min_new_tokens, applied before the temperature as its logits processors are. `seed` feeds
+    sampling only. The gin macros of the same names in capitals set these for eval and infer.
+    These values are each row's own inputs of the programs: one program decodes rows of any."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -46,10 +49,18 @@ class DecodingSettings:
     beam_alpha: float = 0.6
     seed: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0
 
     @property
     def samples(self) -> bool:
         return self.num_beams == 1 and self.temperature > 0
+
+    @property
+    def penalizes(self) -> bool:
+        ngrams, least = self.no_repeat_ngram_size, self.min_new_tokens
+        return self.repetition_penalty != 1 or ngrams > 0 or least > 0
 
     def check(self, vocab_size: int) -> None:
         """Refuses settings that would crash inside the compiled loop (TOP_K above the
@@ -86,6 +97,24 @@ class DecodingSettings:
                 "choose one: NUM_BEAMS = 1 to sample, or TEMPERATURE = 0.0, TOP_K = 0 and "
                 "TOP_P = 1.0 for beam search"
             )
+        self._check_penalties()
+
+    def _check_penalties(self) -> None:
+        penalty = self.repetition_penalty
+        if not (validators.is_number(penalty) and PENALTIES[0] <= penalty <= PENALTIES[1]):
+            raise UserError(
+                f"REPETITION_PENALTY = {penalty!r} must be a number from {PENALTIES[0]:g} to "
+                f"{PENALTIES[1]:g} (1.0: none; above 1 makes repeated tokens less likely)"
+            )
+        for name in ("no_repeat_ngram_size", "min_new_tokens"):
+            value = getattr(self, name)
+            validators.whole(0).check(name.upper(), value)
+        if self.num_beams > 1 and self.penalizes:
+            raise UserError(
+                f"NUM_BEAMS = {self.num_beams}: beam search does not take REPETITION_PENALTY, "
+                "NO_REPEAT_NGRAM_SIZE or MIN_NEW_TOKENS; leave them at 1.0, 0 and 0, or "
+                "decode greedily (NUM_BEAMS = 1)"
+            )
 
 
 def first_max_index(x: Array, axis: int = -1) -> Array:
@@ -99,24 +128,36 @@ def first_max_index(x: Array, axis: int = -1) -> Array:
     return jnp.min(jnp.where(x == largest, index, x.shape[axis]), axis=axis)
 
 
-class RowSampling(NamedTuple):
-    """Each slot's sampling values: arrays, so rows of any values share one compiled program."""
+class RowSettings(NamedTuple):
+    """Each slot's own values: arrays, so rows of any values share one compiled program."""
 
-    temperature: Array  # [rows] float32, > 0
+    temperature: Array  # [rows] float32, > 0 (sampling only)
     top_k: Array  # [rows] int32; 0: no limit
     top_p: Array  # [rows] float32; 1.0: no limit
+    repetition_penalty: Array  # [rows] float32; 1.0: none
+    no_repeat_ngram_size: Array  # [rows] int32; 0: off
+    min_new_tokens: Array  # [rows] int32
 
 
-def row_sampling(settings: DecodingSettings, rows: int) -> RowSampling:
+ROW_DTYPES = RowSettings(np.float32, np.int32, np.float32, np.float32, np.int32, np.int32)
+
+
+def row_settings(settings: DecodingSettings, rows: int) -> RowSettings:
     """`rows` slots' values for `settings` (host arrays; a free slot's are harmless ones)."""
-    return RowSampling(
-        temperature=np.full((rows,), settings.temperature or 1.0, np.float32),
-        top_k=np.full((rows,), settings.top_k, np.int32),
-        top_p=np.full((rows,), settings.top_p, np.float32),
+    values = RowSettings(
+        temperature=settings.temperature or 1.0,
+        top_k=settings.top_k,
+        top_p=settings.top_p,
+        repetition_penalty=settings.repetition_penalty,
+        no_repeat_ngram_size=settings.no_repeat_ngram_size,
+        min_new_tokens=settings.min_new_tokens,
+    )
+    return RowSettings(
+        *(np.full((rows,), v, dtype) for v, dtype in zip(values, ROW_DTYPES, strict=True))
     )
 
 
-def sampled_logits(logits: Array, sampling: RowSampling) -> Array:
+def sampled_logits(logits: Array, sampling: RowSettings) -> Array:
     """[rows, vocab] logits as sampling draws from them, each row with its own values, in
     Hugging Face's order and by its rules (TemperatureLogitsWarper, TopKLogitsWarper,
     TopPLogitsWarper): divided by the temperature; below the k-th largest dropped (ties kept);
@@ -142,19 +183,85 @@ def sampled_logits(logits: Array, sampling: RowSampling) -> Array:
     return jax.lax.cond(limits, limited, lambda scaled: scaled, scaled)
 
 
-def _pick_next(
-    logits: Array, rng: Array, sampling: RowSampling | None, vocab_axis: int = -1
-) -> Array:
-    """Greedy without `sampling`, else a draw from each row's sampled_logits with its own key
-    ([rows, 2]: a row's draw is independent of its batch mates). `vocab_axis` 0: logits come
-    as [vocab, rows] (the feature-major step's)."""
-    if sampling is None:
-        return first_max_index(logits, vocab_axis)
-    if vocab_axis == 0:
-        # The barrier keeps XLA from folding the transpose into the logits' dot.
-        logits = jax.lax.optimization_barrier(logits).T
-    filtered = sampled_logits(logits, sampling)
-    return jax.vmap(jax.random.categorical)(rng, filtered).astype(jnp.int32)
+class Prefix(NamedTuple):
+    """What each row decoded so far, as the penalties read it."""
+
+    out: Array  # [rows, max_length] the tokens so far, zeros after
+    position: Array  # [rows] how many there are
+    live: Array  # [rows] still decoding (the others' penalties are not worked out)
+
+
+def penalized_logits(logits: Array, values: RowSettings, prefix: Prefix, eos_id: int) -> Array:
+    """[rows, vocab] logits after Hugging Face's RepetitionPenaltyLogitsProcessor,
+    NoRepeatNGramLogitsProcessor and MinNewTokensLengthLogitsProcessor, in that order, each row
+    with its own values. As in transformers' encoder-decoder generate, a row's decoder inputs
+    so far are the start token 0 and its tokens: 0 counts as seen."""
+    rows, vocab = logits.shape
+    index = jnp.arange(rows)[:, None]
+    seen = jnp.zeros((rows, vocab), jnp.bool_).at[index, prefix.out].set(True)
+    penalty = values.repetition_penalty[:, None]
+    repeated = jnp.where(logits < 0, logits * penalty, logits / penalty)
+    logits = jnp.where(seen & (penalty != 1), repeated, logits)
+    banned = _repeated_ngram_ends(prefix, values.no_repeat_ngram_size, vocab)
+    logits = jnp.where(banned, -jnp.inf, logits)
+    too_short = (prefix.position < values.min_new_tokens)[:, None]
+    return jnp.where(too_short & (jnp.arange(vocab) == eos_id), -jnp.inf, logits)
+
+
+def _repeated_ngram_ends(prefix: Prefix, sizes: Array, vocab: int) -> Array:
+    """[rows, vocab] the tokens that would repeat an n-gram of the row's decoder inputs so far
+    (n: its `sizes`; 0: none): those that followed an earlier occurrence of its last n - 1."""
+    rows, max_length = prefix.out.shape
+    tokens = jnp.pad(prefix.out, ((0, 0), (1, 0)))  # the start token 0 first
+    length = (prefix.position + 1)[:, None]  # decoder inputs so far
+    n = sizes[:, None]
+    starts = jnp.arange(max_length + 1)[None, :]
+
+    def at(columns):
+        return jnp.take_along_axis(tokens, jnp.clip(columns, 0, max_length), axis=1)
+
+    def same(i, match):  # the n-gram at each start agrees with the last n - 1 tokens at i
+        agrees = at(starts + i) == at(length - n + 1 + i)
+        return match & (agrees | (i >= n - 1))
+
+    match = jax.lax.fori_loop(0, jnp.max(sizes) - 1, same, jnp.ones_like(tokens, jnp.bool_))
+    match &= (n > 0) & (starts <= length - n)
+    index = jnp.arange(rows)[:, None]
+    return jnp.zeros((rows, vocab), jnp.bool_).at[index, at(starts + n - 1)].max(match)
+
+
+def _pick_next(logits: Array, rng: Array, picking, values: RowSettings, prefix: Prefix) -> Array:
+    """Each row's next token: greedy, or with `picking.samples` a draw from its sampled_logits
+    with its own key ([rows, 2]: a row's draw is independent of its batch mates), after the
+    penalties of the rows that have any. `picking.vocab_axis` 0: logits come as [vocab, rows]
+    (the feature-major step's)."""
+
+    def rows_first(logits):
+        if picking.vocab_axis == 0:
+            # The barrier keeps XLA from folding the transpose into the logits' dot.
+            return jax.lax.optimization_barrier(logits).T
+        return logits
+
+    def pick(logits):  # [rows, vocab]
+        if not picking.samples:
+            return first_max_index(logits)
+        filtered = sampled_logits(logits, values)
+        return jax.vmap(jax.random.categorical)(rng, filtered).astype(jnp.int32)
+
+    def plain(logits):
+        if not picking.samples:  # no transpose: greedy reads either layout
+            return first_max_index(logits, picking.vocab_axis)
+        return pick(rows_first(logits))
+
+    def penalized(logits):
+        return pick(penalized_logits(rows_first(logits), values, prefix, picking.eos_id))
+
+    penalizes = prefix.live & (
+        (values.repetition_penalty != 1)
+        | (values.no_repeat_ngram_size > 0)
+        | (prefix.position < values.min_new_tokens)
+    )
+    return jax.lax.cond(jnp.any(penalizes), penalized, plain, logits)
 
 
 def _encode_and_make_cache(module, params, encoder_input_tokens: Array, max_decode_length: int):
@@ -222,7 +329,7 @@ class Slots(NamedTuple):
     out: Array  # [slots, max_length] tokens so far, zeros after
     done: Array  # [slots] finished (by EOS or length) or free
     keys: Array  # [slots, 2] each slot's sampling key (unused when greedy)
-    sampling: RowSampling  # each slot's temperature, top_k and top_p (unused when greedy)
+    values: RowSettings  # each slot's own temperature, top_k, top_p and penalties
 
 
 def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -> Slots:
@@ -243,11 +350,7 @@ def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -
             out=jnp.zeros((rows, max_length), jnp.int32),
             done=jnp.ones((rows,), jnp.bool_),
             keys=jnp.zeros((rows, 2), jnp.uint32),
-            sampling=RowSampling(
-                temperature=jnp.ones((rows,), jnp.float32),
-                top_k=jnp.zeros((rows,), jnp.int32),
-                top_p=jnp.ones((rows,), jnp.float32),
-            ),
+            values=RowSettings(*map(jnp.asarray, row_settings(DecodingSettings(), rows))),
         )
 
     return jax.eval_shape(empty, params)
@@ -269,17 +372,17 @@ def slot_axes(shapes: Slots) -> Slots:
         out=("batch", "length"),
         done=("batch",),
         keys=("batch", None),
-        sampling=RowSampling(("batch",), ("batch",), ("batch",)),
+        values=RowSettings(*[("batch",)] * len(RowSettings._fields)),
     )
 
 
 def insert_rows(
-    module, params, slots: Slots, tokens: Array, where: Array, keys: Array, sampling: RowSampling
+    module, params, slots: Slots, tokens: Array, where: Array, keys: Array, values: RowSettings
 ) -> Slots:
     """Starts decoding `tokens` ([n, input length]) in slots `where` ([n]): their encoder runs
     and their caches are written over the slots' (an index past the last slot drops its row, so
     a short group can be padded to a compiled size). keys: [n, 2] the rows' sampling keys;
-    sampling: their values ([n] each)."""
+    values: their settings ([n] each)."""
     max_length = slots.out.shape[1]
     _, fresh = _encode_and_make_cache(module, params, tokens, max_length)
 
@@ -304,19 +407,19 @@ def insert_rows(
         out=rows(slots.out, jnp.zeros((len(where), max_length), jnp.int32)),
         done=rows(slots.done, zeros.astype(jnp.bool_)),
         keys=rows(slots.keys, keys),
-        sampling=RowSampling(
-            *(rows(old, new) for old, new in zip(slots.sampling, sampling, strict=True))
-        ),
+        values=RowSettings(*map(rows, slots.values, values)),
     )
 
 
 @dataclasses.dataclass(frozen=True)
 class Picking:
     """How `run_segment` picks tokens: greedy, or sampling with each slot's own values (in the
-    slots, not in the program), ending at eos_id."""
+    slots, not in the program), ending at eos_id; from logits with the vocabulary on
+    `vocab_axis`."""
 
     eos_id: int
     samples: bool = False
+    vocab_axis: int = -1
 
 
 def run_segment(
@@ -329,20 +432,21 @@ def run_segment(
     feature-major step's (feature_major.held), or None for the network's decode."""
     rows, max_length = slots.out.shape
     decoder_step, vocab_axis = _segment_step(module, params, weights, rows)
+    picking = dataclasses.replace(picking, vocab_axis=vocab_axis)
     columns = jnp.arange(max_length)[None, :]
 
     def step(carry):
         s, steps = carry
         logits, cache = decoder_step(s.cache, s.encoder_tokens, s.token, s.position)
         keys, step_keys = _split(s.keys) if picking.samples else (s.keys, s.keys)
-        sampling = s.sampling if picking.samples else None
-        token = _pick_next(logits, step_keys, sampling, vocab_axis)
+        prefix = Prefix(s.out, s.position, ~s.done)
+        token = _pick_next(logits, step_keys, picking, s.values, prefix)
         token = jnp.where(s.done, 0, token)
         written = (columns == s.position[:, None]) & ~s.done[:, None]
         out = jnp.where(written, token[:, None], s.out)
         position = jnp.where(s.done, s.position, s.position + 1)
         done = s.done | (token == picking.eos_id) | (position >= max_length)
-        advanced = Slots(cache, s.encoder_tokens, token, position, out, done, keys, s.sampling)
+        advanced = Slots(cache, s.encoder_tokens, token, position, out, done, keys, s.values)
         return advanced, steps + 1
 
     def going(carry):

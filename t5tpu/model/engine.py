@@ -63,14 +63,14 @@ def input_buckets(limit: int) -> tuple[int, ...]:
 class Row:
     """One input to decode: its ids (ending in EOS), its index among the caller's inputs and the
     seed (together its sampling key), a tag the caller gets back with its output, and its own
-    sampling values (temperature, top_k, top_p; None: the request's), with which rows of other
-    values sample in one batch."""
+    values (temperature, top_k, top_p, the penalties: decoding.RowSettings; None: the
+    request's), with which rows of other values decode in one batch."""
 
     ids: tuple[int, ...]
     index: int = 0
     seed: int = 0
     tag: object = None
-    sampling: decoding.DecodingSettings | None = None
+    settings: decoding.DecodingSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,9 +90,9 @@ class Request:
 
     @property
     def family(self) -> tuple:
-        """The programs these settings share: greedy's, sampling's (its values are inputs of
-        the programs, each slot's own: any temperature, top_k, top_p and seed share them), or
-        beam search's of its width and length penalty."""
+        """The programs these settings share: greedy's, sampling's (their values are inputs
+        of the programs, each slot's own: any temperature, top_k, top_p, penalties and seed
+        share them), or beam search's of its width and length penalty."""
         settings = self.settings
         if settings.num_beams > 1:
             return ("beam", settings.num_beams, settings.beam_alpha, self.max_length)

@@ -121,14 +121,12 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = 
         return jax.ShapeDtypeStruct(shape, dtype, sharding=replicated)
 
     size = insert_size(shape.count)
-    sampling = decoding.RowSampling(
-        arg((size,), np.float32), arg((size,), np.int32), arg((size,), np.float32)
-    )
+    values = decoding.RowSettings(*(arg((size,), dtype) for dtype in decoding.ROW_DTYPES))
     rows = (
         arg((size, shape.bucket), np.int32),
         arg((size,), np.int32),
         arg((size, 2), np.uint32),
-        sampling,
+        values,
     )
     compiles = (
         lambda: programs.insert.lower(params, state, *rows).compile(),
@@ -148,11 +146,11 @@ def build_insert(*, engine, request, shape: Shape):
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
-    def insert(params, slots, tokens, where, keys, sampling):
-        return decoding.insert_rows(module, params, slots, tokens, where, keys, sampling)
+    def insert(params, slots, tokens, where, keys, values):
+        return decoding.insert_rows(module, params, slots, tokens, where, keys, values)
 
-    replicated_sampling = decoding.RowSampling(replicated, replicated, replicated)
-    in_shardings = (state, replicated, replicated, replicated, replicated_sampling)
+    replicated_values = decoding.RowSettings(*[replicated] * len(decoding.RowSettings._fields))
+    in_shardings = (state, replicated, replicated, replicated, replicated_values)
     return engine.jit(insert, in_shardings, state, (1,))
 
 
@@ -203,9 +201,9 @@ class SlotBatch:
         if self.request.settings.samples:
             keys[: len(rows)] = row_keys(rows)
         put = self.engine.replicate
-        sampling = decoding.RowSampling(*map(put, _row_values(rows, self.request, size)))
+        values = decoding.RowSettings(*map(put, _row_values(rows, self.request, size)))
         self._state = self._programs.insert(
-            self.engine.params, self._state, put(tokens), put(where), put(keys), sampling
+            self.engine.params, self._state, put(tokens), put(where), put(keys), values
         )
         self.live.update(zip(free, rows, strict=False))
 
@@ -237,13 +235,13 @@ class SlotBatch:
         self._state = None
 
 
-def _row_values(rows, request, size: int) -> decoding.RowSampling:
-    """[size] sampling values: each row's own (engine.Row.sampling), else the request's; the
-    padding rows' the request's."""
-    values = decoding.row_sampling(request.settings, size)
+def _row_values(rows, request, size: int) -> decoding.RowSettings:
+    """[size] values: each row's own (engine.Row.settings), else the request's; the padding
+    rows' the request's."""
+    values = decoding.row_settings(request.settings, size)
     for position, row in enumerate(rows):
-        if row.sampling is not None:
-            own = decoding.row_sampling(row.sampling, 1)
+        if row.settings is not None:
+            own = decoding.row_settings(row.settings, 1)
             for column, value in zip(values, own, strict=True):
                 column[position] = value[0]
     return values

@@ -433,6 +433,9 @@ def infer(
     num_beams: int = 1,
     beam_alpha: float = 0.6,
     random_seed: int = 0,
+    repetition_penalty: float = 1.0,
+    no_repeat_ngram_size: int = 0,
+    min_new_tokens: int = 0,
     mixture_or_task_module: str | None = None,
     output_dir: str | None = None,
     truncation: str = "warn",
@@ -444,21 +447,17 @@ def infer(
     chunks, into `output_dir` (else MODEL_DIR), texts shaped as the run's (_Inputs)."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    positional = (temperature, top_k, num_beams, beam_alpha, random_seed, top_p)
-    settings = decoding.DecodingSettings(*positional)
+    chosen = (temperature, top_k, num_beams, beam_alpha, random_seed, top_p)  # their order
+    penalties = (repetition_penalty, no_repeat_ngram_size, min_new_tokens)
+    settings = decoding.DecodingSettings(*chosen, *penalties)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
     given = infer_inputs.given(inputs=inputs, input_file=input_file, num_examples=num_examples)
     restorable = _Checkpoints.checked(model_dir, checkpoint_step, model, partitioner)
     texts = _texts(restorable.record, task_feature_lengths, model.vocabulary, exact_inputs)
-    source = given or infer_inputs.from_task_named(
-        mixture_or_task_name,
-        task_module=mixture_or_task_module,
-        split=split,
-        feature_lengths={"inputs": texts.input_length, "targets": texts.target_length},
-        num_examples=num_examples,
-    )
+    task = {"task_module": mixture_or_task_module, "split": split, "num_examples": num_examples}
+    source = given or _task_source(mixture_or_task_name, texts, **task)
     _refuse_overlong(truncation, source, texts)
     _say(_plan(texts, from_task=given is None))
     decoder = _Decoder(
@@ -471,6 +470,12 @@ def infer(
     )
     run = _Run(source, texts, decoder, assignment, settings, num_examples, output_dir)
     return _decode_each(run, restorable, output_dir)
+
+
+def _task_source(name: str | None, texts: _Inputs, **task):
+    """The task's split as infer's inputs, at the lengths the texts are cut to."""
+    lengths = {"inputs": texts.input_length, "targets": texts.target_length}
+    return infer_inputs.from_task_named(name, feature_lengths=lengths, **task)
 
 
 def _texts(record: RunRecord | None, told: dict | None, vocabulary, exact: bool) -> _Inputs:

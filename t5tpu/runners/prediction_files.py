@@ -29,7 +29,8 @@ def file_name(
     exact_inputs: bool = False,
 ) -> str:
     """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A> | -temp<T>[-top<K>][-topp<P>]
-    -seed<S>].jsonl (-exact: INFER_EXACT_INPUTS where the run's shaping changes the inputs).
+    -seed<S>][-rep<R>][-ngram<N>][-min<M>].jsonl (-exact: INFER_EXACT_INPUTS where the run's
+    shaping changes the inputs; the last three: the penalties, where set).
 
     Every setting that changes the predictions is in the name, so decoding the same inputs
     another way never replaces earlier predictions, while the same command (deterministic, seed
@@ -45,6 +46,12 @@ def file_name(
         top = f"-top{settings.top_k}" if settings.top_k else ""
         top += f"-topp{settings.top_p:g}" if settings.top_p < 1 else ""
         name += f"-temp{settings.temperature:g}{top}-seed{settings.seed}"
+    if settings.repetition_penalty != 1:
+        name += f"-rep{settings.repetition_penalty:g}"
+    if settings.no_repeat_ngram_size:
+        name += f"-ngram{settings.no_repeat_ngram_size}"
+    if settings.min_new_tokens:
+        name += f"-min{settings.min_new_tokens}"
     return f"{name}.jsonl"
 
 

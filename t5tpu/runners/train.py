@@ -191,16 +191,8 @@ def _check_data(data: InputSettings, task_module: str | None, evals: EvalSetting
 def _run_record(data: InputSettings) -> RunRecord:
     """What this run decides about its model's inputs and outputs, saved with every checkpoint
     for the front ends: the task, its lengths and input shaping, and the decoding eval and
-    infer use (NUM_BEAMS, TEMPERATURE, TOP_K, infer.beam_alpha and infer.random_seed)."""
-    bound = runner_settings.bound_settings("infer", runner_settings.InferSettings)
-    defaults = decoding.DecodingSettings(
-        num_beams=bound.num_beams,
-        temperature=float(bound.temperature),
-        top_k=bound.top_k,
-        top_p=float(bound.top_p),
-        beam_alpha=float(bound.beam_alpha),
-        seed=bound.random_seed,
-    )
+    infer use (runner_settings.infer_decoding)."""
+    defaults = runner_settings.infer_decoding()
     lengths = pipeline.model_lengths(data.task_feature_lengths)
     return shaping.record_for_run(data.task_name, lengths, defaults)
 

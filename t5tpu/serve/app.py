@@ -251,12 +251,12 @@ def _decode_rows(
     worker: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
 ) -> list:
     """(group, row) pairs of inputs to decode; row i samples from its index i, with the
-    request's own sampling values (its group's batches hold rows of any)."""
-    sampling = worker.sampling(decoding)
+    request's own values (its group's batches hold rows of any)."""
+    own = worker.row_settings(decoding)
     return [
         (
             Group.for_decoding(decoding, worker.input_bucket(ids.ids), adapter),
-            Row(ids=ids.ids, index=i, seed=decoding.seed, sampling=sampling),
+            Row(ids=ids.ids, index=i, seed=decoding.seed, settings=own),
         )
         for i, ids in enumerate(encoded)
     ]

@@ -6,8 +6,8 @@ The model is the first of: --model (a MODEL_DIR, a checkpoint_N directory, a Hug
 directory or a T5X / Mesh TF checkpoint), MODEL_DIR bound in gin (at CHECKPOINT_STEP), and
 AIP_STORAGE_URI (where Vertex AI copied the model's artifacts). How it answers is the run's (its
 run record, storage/run_record.py): lengths come from the flags, else TASK_FEATURE_LENGTHS,
-else the run's, else t5tpu.load's defaults; each decoding default from NUM_BEAMS, TEMPERATURE,
-TOP_K, infer.beam_alpha and infer.random_seed where the gin files bind it, else the run's; inputs
+else the run's, else t5tpu.load's defaults; each decoding default from infer's bindings (NUM_BEAMS,
+TEMPERATURE, ..., infer.beam_alpha) where the gin files make them, else the run's; inputs
 are shaped as the run's task shaped its training inputs; what to do with long inputs comes from
 INFER_TRUNCATION. LoRA adapters (--adapter) are opened and checked against the model here too
 (serve/adapters.py), so a wrong one is refused before the server listens.
@@ -127,7 +127,7 @@ def model_setup(
         max_input_length=max(a.input_length for a in answering.values()),
         max_target_length=max(a.defaults.max_length for a in answering.values()),
         defaults=answering[None].defaults,
-        beam_alpha=_bound_or("beam_alpha", sized.decoding.beam_alpha if sized else 0.6),
+        beam_alpha=runner_settings.infer_decoding(sized.decoding if sized else None).beam_alpha,
         truncation=truncation or bound.truncation,
         adapters=opened,
         answering=answering,
@@ -166,34 +166,14 @@ def _lengths(flags, told, record, say) -> tuple[int, int]:
     )
 
 
-def _bound_or(argument: str, recorded):
-    """infer.`argument` where the gin files bind it, else the run's `recorded` value."""
-    value = gin_setup.bound_value(f"infer.{argument}")
-    return recorded if value is None else value
-
-
 def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
     """Each decoding default from the gin files where they bind it, else from the run."""
-    run = record.decoding if record else decoding.DecodingSettings()
-    return Decoding(
-        num_beams=_bound_or("num_beams", run.num_beams),
-        max_length=target_length,
-        temperature=float(_bound_or("temperature", run.temperature)),
-        top_k=_bound_or("top_k", run.top_k),
-        top_p=float(_bound_or("top_p", run.top_p)),
-        seed=_bound_or("random_seed", run.seed),
-    )
+    settings = runner_settings.infer_decoding(record.decoding if record else None)
+    return Decoding.of(settings, max_length=target_length)
 
 
 def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
-    settings = setup.defaults
-    return decoding.DecodingSettings(
-        temperature=settings.temperature,
-        top_k=settings.top_k,
-        top_p=settings.top_p,
-        num_beams=settings.num_beams,
-        beam_alpha=setup.beam_alpha,
-    )
+    return setup.defaults.settings(beam_alpha=setup.beam_alpha)
 
 
 def load_worker(

@@ -33,6 +33,10 @@ from t5tpu.tasks import shaping
 
 # A decoding batch looks for newly queued rows of its group at least this many steps apart.
 _POLL_STEPS = 8
+# The settings that are each row's own values, at their defaults: a group's rows may differ in
+# them (sampling's temperature is 1.0 in the group, 0.0 greedy's).
+_VALUES = {"top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+_VALUES.update(no_repeat_ngram_size=0, min_new_tokens=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,10 +59,11 @@ class Group:
 
     @classmethod
     def for_decoding(cls, settings: Decoding, length: int, adapter: str | None = None) -> Group:
-        # The seed only picks row keys, and sampling's values are each row's (engine.Row's
-        # `sampling`): rows of every seed, temperature, top_k and top_p share a batch.
-        if settings.temperature > 0 and settings.num_beams == 1:
-            settings = dataclasses.replace(settings, temperature=1.0, top_k=0, top_p=1.0)
+        # The seed only picks row keys, and the values are each row's (engine.Row's
+        # `settings`): rows of every seed, temperature, top_k, top_p and penalty share a batch.
+        if settings.num_beams == 1:
+            sampled = 1.0 if settings.temperature > 0 else 0.0
+            settings = dataclasses.replace(settings, **_VALUES, temperature=sampled)
         return cls("decode", length, dataclasses.replace(settings, seed=0), adapter)
 
     @classmethod
@@ -196,18 +201,10 @@ class ModelWorker:
         for decoded in engine.stream(queued, request, poll_steps=_POLL_STEPS):
             feed.answer(decoded.row.tag, self.vocabulary.decode(decoded.ids.tolist()))
 
-    def sampling(self, wanted: Decoding) -> decoding.DecodingSettings | None:
-        """A request's own sampling values, which its rows carry (None when it does not
-        sample)."""
-        request = self._request(wanted)
-        return request.settings if request.settings.samples else None
+    def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
+        """A request's own values, which its rows carry (None: the group's do)."""
+        settings = self._request(wanted).settings
+        return settings if settings.samples or settings.penalizes else None
 
     def _request(self, wanted: Decoding) -> Request:
-        settings = decoding.DecodingSettings(
-            temperature=wanted.temperature,
-            top_k=wanted.top_k,
-            top_p=wanted.top_p,
-            num_beams=wanted.num_beams,
-            beam_alpha=self._beam_alpha,
-        )
-        return Request(settings, wanted.max_length)
+        return Request(wanted.settings(beam_alpha=self._beam_alpha), wanted.max_length)

@@ -15,14 +15,17 @@ import json
 from collections.abc import Callable, Sequence
 
 from t5tpu import validators
-from t5tpu.model.decoding import TEMPERATURES
+from t5tpu.model.decoding import PENALTIES, TEMPERATURES, DecodingSettings
 from t5tpu.tasks.serving import Field, Route
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
 # batch many times the compiled one.
 MAX_NUM_BEAMS = 16
 _MAX_SEED = 2**31 - 1
-DECODING_PARAMETERS = ("num_beams", "max_length", "temperature", "top_k", "top_p", "seed")
+DECODING_PARAMETERS = (
+    *("num_beams", "max_length", "temperature", "top_k", "top_p", "seed"),
+    *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
+)
 # The parameter naming the task whose route a request uses.
 TASK = "task"
 # The parameter naming the LoRA adapter a request runs with (a server started with --adapter).
@@ -55,6 +58,22 @@ class Decoding:
     top_k: int = 0
     seed: int = 0
     top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    min_new_tokens: int = 0
+
+    def settings(self, *, beam_alpha: float) -> DecodingSettings:
+        """The engine's settings for these (the length limit apart), with the server's beam
+        length penalty."""
+        values = dataclasses.asdict(self)
+        del values["max_length"]
+        return DecodingSettings(**values, beam_alpha=beam_alpha)
+
+    @classmethod
+    def of(cls, settings: DecodingSettings, *, max_length: int) -> Decoding:
+        values = dataclasses.asdict(settings)
+        del values["beam_alpha"]
+        return cls(**values, max_length=max_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,6 +263,13 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
         top_k=_whole(parameters, "top_k", 0, limits.vocab_size, defaults.top_k),
         top_p=_top_p(parameters, defaults.top_p),
         seed=_whole(parameters, "seed", 0, _MAX_SEED, defaults.seed),
+        repetition_penalty=_repetition_penalty(parameters, defaults.repetition_penalty),
+        no_repeat_ngram_size=_whole(
+            parameters, "no_repeat_ngram_size", 0, limits.max_length, defaults.no_repeat_ngram_size
+        ),
+        min_new_tokens=_whole(
+            parameters, "min_new_tokens", 0, limits.max_length, defaults.min_new_tokens
+        ),
     )
     samples = decoding.temperature > 0 or decoding.top_k > 0 or decoding.top_p < 1
     if decoding.num_beams > 1 and samples:
@@ -251,7 +277,25 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
             f"num_beams={decoding.num_beams} is beam search, which does not sample: send "
             "temperature 0, top_k 0 and top_p 1 with it, or num_beams 1 to sample"
         )
+    penalizes = decoding.repetition_penalty != 1 or decoding.no_repeat_ngram_size > 0
+    if decoding.num_beams > 1 and (penalizes or decoding.min_new_tokens > 0):
+        raise PayloadError(
+            f"num_beams={decoding.num_beams} is beam search, which does not take "
+            "repetition_penalty, no_repeat_ngram_size or min_new_tokens: leave them out, or "
+            "send num_beams 1"
+        )
     return decoding
+
+
+def _repetition_penalty(parameters: dict, default: float) -> float:
+    value = parameters.get("repetition_penalty", default)
+    low, high = PENALTIES
+    if not (validators.is_number(value) and low <= value <= high):
+        raise PayloadError(
+            f"parameter repetition_penalty = {json.dumps(value)} must be a number from {low:g} "
+            f"to {high:g} (1: none)"
+        )
+    return float(value)
 
 
 def _flag(parameters: dict, name: str, default: bool) -> bool:
