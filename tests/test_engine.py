@@ -209,3 +209,46 @@ def test_any_temperature_top_k_and_top_p_sample_with_one_set_of_programs(tiny):
     greedy = server.generate(rows, engine.Request(decoding.DecodingSettings(), MAX_LENGTH))
     for a, b in zip(outputs[2], greedy, strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+def test_rows_are_seen_as_they_decode_and_a_row_whose_caller_left_frees_its_slot(tiny):
+    """stream(partial=...) yields each row's ids so far after every segment, each a prefix of
+    its answer; stream(left=...) takes a row out of its slot at the next segment boundary,
+    and the rows beside it answer as they would have anyway. Neither compiles anything."""
+    rows = tiny[4]
+    server = _engine(tiny, batch_size=4, smaller_batches=True)
+    request = engine.Request(decoding.DecodingSettings(), MAX_LENGTH)
+    want = server.generate(rows, request)
+    programs = server.program_count
+    long = [i for i, ids in enumerate(want) if _length(ids) > 6]
+    leaving = set(long[:2])
+    assert len(leaving) == 2, [_length(ids) for ids in want]
+    seen: dict[int, list] = {i: [] for i in range(len(rows))}
+    got: dict[str, dict] = {"finished": {}, "left": {}}
+    feed = engine.ListFeed(
+        (engine.Row(tuple(ids), i, tag=i) for i, ids in enumerate(rows)),
+        bucket=server.bucket,
+        fill=server.few_rows,  # as generate's: the same shapes
+    )
+    for decoded in server.stream(
+        feed,
+        request,
+        poll_steps=2,
+        partial=lambda row: True,
+        left=lambda row: row.tag in leaving and len(seen[row.tag]) >= 1,
+    ):
+        if decoded.state == "decoding":
+            seen[decoded.row.tag].append(decoded.ids.copy())
+        else:
+            got[decoded.state][decoded.row.tag] = decoded.ids
+    assert set(got["left"]) == leaving
+    assert set(got["finished"]) == set(range(len(rows))) - leaving
+    for index, ids in got["finished"].items():
+        np.testing.assert_array_equal(ids, want[index])
+    for index, partials in seen.items():
+        written = [int(np.count_nonzero(ids)) for ids in partials]
+        assert written == sorted(written), index  # each segment adds to the last
+        for ids in partials:
+            assert np.all((ids == want[index]) | (ids == 0)), index
+    assert sum(len(p) for p in seen.values()) > len(rows)  # rows were seen mid-way
+    assert server.program_count == programs

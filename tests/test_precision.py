@@ -178,7 +178,7 @@ def _engine_program_texts(config, params) -> dict[str, str]:
         lowered = {
             "insert": programs.insert.lower(p, state, *rows),
             "segment": programs.segment.lower(
-                p, engine.step_weights, state, np.int32(1), np.int32(4)
+                p, engine.step_weights, state, np.zeros(count, bool), np.int32(1), np.int32(4)
             ),
             "beam": engine._build_beam(beams, count, 16).lower(p, np.zeros((count, 16), np.int32)),
             "score": engine._build_score(None, count, 16, 4).lower(

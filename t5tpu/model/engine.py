@@ -75,10 +75,13 @@ class Row:
 
 @dataclasses.dataclass(frozen=True)
 class Decoded:
-    """A row's output: [max_length] ids ending at EOS (included), zeros after."""
+    """A row's output: [max_length] ids ending at EOS (included), zeros after; with `state`
+    "decoding" its ids so far (Engine.stream's `partial`), "left" those it had when its caller
+    left (`left`)."""
 
     row: Row
     ids: np.ndarray
+    state: str = "finished"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +220,37 @@ class _BatchEnd:
     bucket: int = 0
 
 
+@dataclasses.dataclass(frozen=True)
+class _Watch:
+    """Which rows of a stream are yielded as they stand after each segment (`partial`), and
+    which have lost their callers and leave their slots (`left`)."""
+
+    partial: Callable[[Row], bool] | None = None
+    left: Callable[[Row], bool] | None = None
+
+    def looked_at(self, batch: slot_batch.SlotBatch, segment: slot_batch.Segment):
+        """The rows still decoding after `segment`: those left freed, those wanted yielded."""
+        leaving = [(row, ids) for row, ids in segment.decoding if self.left and self.left(row)]
+        batch.free([row for row, _ in leaving])
+        yield from (Decoded(row, ids, "left") for row, ids in leaving)
+        if self.partial is not None:
+            gone = {id(row) for row, _ in leaving}
+            for row, ids in segment.decoding:
+                if id(row) not in gone and self.partial(row):
+                    yield Decoded(row, ids, "decoding")
+
+
+@dataclasses.dataclass(frozen=True)
+class _Continuous:
+    """A continuous batch's first rows and how it runs (Engine.stream's arguments)."""
+
+    rows: list
+    bucket: int
+    poll_steps: int | None
+    stop: Callable[[], bool]
+    watch: _Watch
+
+
 class Engine:
     """A network and its parameters, run on rows of ids (see the module docstring)."""
 
@@ -338,13 +372,17 @@ class Engine:
         *,
         poll_steps: int | None = None,
         stop: Callable[[], bool] = lambda: False,
+        partial: Callable[[Row], bool] | None = None,
+        left: Callable[[Row], bool] | None = None,
     ) -> Iterator[Decoded]:
         """Decodes the feed's rows as they come, each yielded when it finishes. Greedy and
         sampling run continuously: a batch takes waiting rows of its padded length whenever a
         quarter of its slots are free (a server's: whenever one is), and, with `poll_steps`,
-        looks for newly waiting rows at least that often. Beam search decodes batches to their
-        end. `stop()` is asked after each batch or segment; True ends the stream there (rows in
-        flight are dropped)."""
+        looks for newly waiting rows at least that often. After each segment, rows `partial`
+        accepts are yielded as they stand ("decoding"), and rows `left` accepts leave their
+        slots ("left"). Beam search decodes batches to their end. `stop()` is asked after each
+        batch or segment; True ends the stream there (rows in flight are dropped)."""
+        watch = _Watch(partial=partial, left=left)
         end = _BatchEnd()
         while end.held or (bucket := feed.next_bucket()) is not None:
             if end.held:
@@ -357,7 +395,8 @@ class Engine:
                 yield from self._beam_batch(rows, bucket, request, self.slots_for(len(rows)))
                 end = _BatchEnd(stopped=stop())
             else:
-                end = yield from self._continuous(feed, rows, bucket, request, poll_steps, stop)
+                continuous = _Continuous(rows, bucket, poll_steps, stop, watch)
+                end = yield from self._continuous(feed, request, continuous)
             if end.stopped:
                 return
 
@@ -368,10 +407,11 @@ class Engine:
         for row, ids in zip(rows, out, strict=False):  # padding rows dropped
             yield Decoded(row, ids)
 
-    def _continuous(self, feed, rows, bucket, request, poll_steps, stop):
+    def _continuous(self, feed, request, run: _Continuous):
         """Yields the rows of one continuous batch as they finish; returns its _BatchEnd. A
         server's batch that more rows wait for than it has free slots takes no more rows and
         finishes its own, so that a larger batch can take them all."""
+        rows, bucket = run.rows, run.bucket
         if self.smaller_batches:  # every row waiting now: the batch's size is chosen once
             rows += feed.take(self.batch_size - len(rows), bucket)
         count = self.slots_for(len(rows))
@@ -387,10 +427,11 @@ class Engine:
                     return _BatchEnd(held=tuple(held), bucket=bucket)
                 free = count - len(batch.live)
                 wanted = count if held else max(free + 1, refill_at)
-                steps = request.max_length if held else poll_steps or request.max_length
-                for row, ids in batch.run(free_wanted=wanted, max_steps=steps):
-                    yield Decoded(row, ids)
-                if stop():
+                steps = request.max_length if held else run.poll_steps or request.max_length
+                segment = batch.run(free_wanted=wanted, max_steps=steps)
+                yield from (Decoded(row, ids) for row, ids in segment.finished)
+                yield from run.watch.looked_at(batch, segment)
+                if run.stop():
                     return _BatchEnd(stopped=True)
                 free, rows = count - len(batch.live), []
                 if not held and (free >= refill_at or not batch.live):

@@ -4,7 +4,8 @@ A batch of `count` slots for inputs padded to `bucket` runs two compiled program
 once per (settings, count, bucket):
 - `insert`: encodes up to `insert_size(count)` new rows and writes their caches into free slots
   (an index past the last slot drops a padding row);
-- `segment`: decodes every live slot one token per step until enough slots are free.
+- `segment`: frees the slots it is told to (rows whose callers left), then decodes every live
+  slot one token per step until enough slots are free.
 
 Inserting a quarter of the slots at a time keeps the encoder's padding small (on a CPU the
 encoder costs about as much per row in any batch) while a batch that starts full needs only four
@@ -100,6 +101,15 @@ def _is_axes(x) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class Segment:
+    """What a segment left: (row, ids so far) of the rows that finished and of those still
+    decoding."""
+
+    finished: list
+    decoding: list
+
+
+@dataclasses.dataclass(frozen=True)
 class Programs:
     """A slot batch's two compiled programs."""
 
@@ -131,7 +141,12 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = 
     compiles = (
         lambda: programs.insert.lower(params, state, *rows).compile(),
         lambda: programs.segment.lower(
-            params, engine.step_weights, state, arg((), np.int32), arg((), np.int32)
+            params,
+            engine.step_weights,
+            state,
+            arg((shape.count,), np.bool_),
+            arg((), np.int32),
+            arg((), np.int32),
         ).compile(),
     )
     with concurrent.futures.ThreadPoolExecutor(2 if together else 1) as pool:
@@ -161,7 +176,8 @@ def build_segment(*, engine, request, shape: Shape):
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
-    def segment(params, weights, slots, free_wanted, max_steps):
+    def segment(params, weights, slots, freed, free_wanted, max_steps):
+        slots = slots._replace(done=slots.done | freed)
         slots = decoding.run_segment(
             module, params, slots, picking, free_wanted, max_steps, weights
         )
@@ -169,7 +185,7 @@ def build_segment(*, engine, request, shape: Shape):
 
     return engine.jit(
         segment,
-        (replicated, state, replicated, replicated),
+        (replicated, state, replicated, replicated, replicated),
         (state, replicated, replicated),
         (2,),
     )
@@ -183,6 +199,7 @@ class SlotBatch:
         self.engine, self.request, self.shape = engine, request, shape
         self.count = shape.count
         self.live: dict[int, object] = {}
+        self._freed = np.zeros((shape.count,), np.bool_)  # slots the next segment frees
         self._programs = engine.ready_programs(request, shape)
         self._state = engine.states.take(engine.params, shape)
 
@@ -206,21 +223,34 @@ class SlotBatch:
             self.engine.params, self._state, put(tokens), put(where), put(keys), values
         )
         self.live.update(zip(free, rows, strict=False))
+        self._freed[free[: len(rows)]] = False  # a new row took the slot: nothing to free
 
-    def run(self, *, free_wanted: int, max_steps: int) -> list[tuple[object, np.ndarray]]:
-        """Decodes until `free_wanted` slots are free (or `max_steps`); (row, ids) of the rows
-        that finished."""
+    def run(self, *, free_wanted: int, max_steps: int) -> Segment:
+        """Decodes until `free_wanted` slots are free (or `max_steps`): the rows that finished
+        and those still decoding, each with its ids so far."""
         put = self.engine.replicate
         self._state, done, out = self._programs.segment(
             self.engine.params,
             self.engine.step_weights,
             self._state,
+            put(self._freed),
             put(np.int32(min(free_wanted, self.count))),
             put(np.int32(max_steps)),
         )
+        self._freed[:] = False
         done, out = np.asarray(done), np.asarray(out)
         finished = [slot for slot in self.live if done[slot]]
-        return [(self.live.pop(slot), out[slot]) for slot in finished]
+        return Segment(
+            finished=[(self.live.pop(slot), out[slot]) for slot in finished],
+            decoding=[(row, out[slot]) for slot, row in self.live.items()],
+        )
+
+    def free(self, rows) -> None:
+        """Takes `rows` (by identity) out of their slots: the next segment frees them."""
+        leaving = {id(row) for row in rows}
+        for slot in [slot for slot, row in self.live.items() if id(row) in leaving]:
+            del self.live[slot]
+            self._freed[slot] = True
 
     def warm_up(self) -> None:
         """Runs both programs once without changing a slot: an insertion of padding only and a
@@ -229,8 +259,9 @@ class SlotBatch:
         self.run(free_wanted=0, max_steps=0)
 
     def close(self) -> None:
-        """Hands the state to the next batch of this shape, unless rows are still in flight."""
-        if not self.live and self._state is not None:
+        """Hands the state to the next batch of this shape, unless rows are still in flight
+        (or left slots the device has not freed yet)."""
+        if not self.live and not self._freed.any() and self._state is not None:
             self.engine.states.give_back(self.shape, self._state)
         self._state = None
 
