@@ -16,6 +16,7 @@ others, last, so that each other input keeps its index (and its sampling key).""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import signal
@@ -162,6 +163,25 @@ class Server:
 
     def predict(self, texts: list[str], **parameters) -> list[str]:
         return self.post("/v1/predict", texts, **parameters)
+
+    def streamed(self, texts: list[str], **parameters) -> list[dict]:
+        """/v1/predict's server-sent events for `texts` ("stream": true), read as they come."""
+        self.wait_ready()
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=REQUEST_TIMEOUT)
+        body = {"instances": texts, "parameters": {**parameters, "stream": True}}
+        try:
+            connection.request("POST", "/v1/predict", json.dumps(body).encode())
+            response = connection.getresponse()
+            assert response.status == 200, response.read()
+            assert response.getheader("Content-Type").startswith("text/event-stream")
+            events = []
+            for line in response:
+                if line.startswith(b"data: "):
+                    data = line[len(b"data: ") :].strip()
+                    events.append(data.decode() if data == b"[DONE]" else json.loads(data))
+            return events
+        finally:
+            connection.close()
 
     def stop(self) -> None:
         self.process.send_signal(signal.SIGTERM)
@@ -374,6 +394,41 @@ def test_text_to_text_penalties_answer_everywhere_as_hf_generate(runs, models, e
     assert model.predict(TEXT_LINES, **PENALTIES) == reference
     assert runs.servers["text"].predict(TEXT_LINES, **PENALTIES) == reference
     assert reference != model.predict(TEXT_LINES)  # the penalties change answers
+
+
+def _joined(pieces: list, count: int) -> tuple[list[str], list[str], list[int]]:
+    """Streamed pieces (dicts or streaming.Piece) as (each input's texts joined, its last
+    piece's prediction, how many pieces had text)."""
+    texts, predictions, counts = [""] * count, [None] * count, [0] * count
+    for piece in pieces:
+        piece = piece if isinstance(piece, dict) else dataclasses.asdict(piece)
+        texts[piece["index"]] += piece["text"]
+        counts[piece["index"]] += bool(piece["text"])
+        if piece.get("prediction") is not None:
+            assert predictions[piece["index"]] is None and piece["finish_reason"] in (
+                "stop",
+                "length",
+            )
+            predictions[piece["index"]] = piece["prediction"]
+    return texts, predictions, counts
+
+
+@pytest.mark.parametrize("settings", [{}, {"min_new_tokens": 8}, {"num_beams": 2}])
+def test_streamed_answers_join_to_the_unstreamed_ones(runs, models, settings):
+    """t5tpu.load's stream and serve's "stream": true give each answer in pieces as it decodes;
+    the pieces join to the answer predict gives, which the last piece carries whole."""
+    lines = [*TEXT_LINES, ""]
+    want = models.text.predict(lines, **settings)
+    texts, predictions, counts = _joined(list(models.text.stream(lines, **settings)), len(lines))
+    assert texts == predictions == want
+    server = runs.servers["text"]
+    warned, *events = server.streamed(lines, **settings)
+    assert "truncated" in warned["warnings"][0]  # TEXT_LINES has a line over the input length
+    assert events[-1] == "[DONE]"
+    texts, predictions, served_counts = _joined(events[:-1], len(lines))
+    assert texts == predictions == server.predict(lines, **settings) == want
+    if settings.get("min_new_tokens"):  # long answers come in several pieces
+        assert max(counts) > 1 and max(served_counts) > 1, (counts, served_counts)
 
 
 @pytest.mark.parametrize(("flags", "parameters"), SEARCHES, ids=["beam", "sampling", "top_p"])

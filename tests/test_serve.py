@@ -27,6 +27,7 @@ import socket
 import subprocess
 import threading
 import time
+import types
 
 import pytest
 from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, succeeded, t5tpu
@@ -517,6 +518,8 @@ class StandInEngine:
         self.batches: list[tuple[model_worker.Group, list]] = []
         self.words: dict[str, int] = {}
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
+        self.vocabulary = types.SimpleNamespace(decode=self._decode)
+        self.left: list[str] = []  # streamed rows whose clients went away mid-way
 
     def row_settings(self, wanted: Decoding):
         """A request's own values, as ModelWorker.row_settings gives them."""
@@ -539,6 +542,10 @@ class StandInEngine:
     def warm_up(self, *, stopping) -> int:
         return 0
 
+    def _decode(self, ids) -> str:
+        names = {i: w for w, i in self.words.items()}
+        return " ".join(names[i].upper() for i in ids if i > 1)
+
     def run_group(self, group: model_worker.Group, feed: batcher.GroupFeed) -> None:
         taken = feed.take(self.batch_sizes[-1])
         self.entered.set()
@@ -546,7 +553,27 @@ class StandInEngine:
         rows = [row.item for row in taken]
         self.batches.append((group, rows))
         for row, result in zip(taken, self._results(group, rows), strict=True):
+            listener = row.item.tag if group.streams else None
+            if listener is not None:
+                if not self._streamed(row.item, listener):
+                    feed.answer(row, None)
+                    continue
+                listener.finish(result, "stop")
             feed.answer(row, result)
+
+    def _streamed(self, row: engine.Row, listener) -> bool:
+        """Hands out a streamed row's first word; "slow" rows then decode on until their
+        client leaves (False, as the engine frees such a row) or 20 s pass."""
+        listener.progress(row.ids[:1])
+        if self._decode(row.ids) != "SLOW":
+            return True
+        deadline = time.monotonic() + 20
+        while not listener.left and time.monotonic() < deadline:
+            listener.progress(row.ids)
+            time.sleep(0.02)
+        if listener.left:
+            self.left.append("slow")
+        return not listener.left
 
     def _results(self, group: model_worker.Group, rows: list) -> list:
         names = {i: w for w, i in self.words.items()}
@@ -647,6 +674,60 @@ def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_th
     assert own.count(None) == 1  # a plain greedy row carries nothing
     penalties = sorted((s.repetition_penalty, s.no_repeat_ngram_size) for s in own if s)
     assert penalties == [(1.0, 2), (1.3, 0)]
+
+
+def _events(port: int, instances: list, parameters: dict, *, leave_after: int | None = None):
+    """The server-sent events of a streamed predict, read as they come; with `leave_after`,
+    the connection is closed once that many have come."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    body = {"instances": instances, "parameters": {**parameters, "stream": True}}
+    try:
+        connection.request("POST", "/v1/predict", json.dumps(body).encode())
+        response = connection.getresponse()
+        assert response.status == 200 and response.getheader("Content-Type").startswith(
+            "text/event-stream"
+        )
+        events = []
+        for line in response:
+            if line.startswith(b"data: "):
+                data = line[len(b"data: ") :].strip()
+                events.append(data.decode() if data == b"[DONE]" else json.loads(data))
+                if len(events) == leave_after:
+                    break
+        return events
+    finally:
+        connection.close()
+
+
+def test_a_stream_sends_each_answer_as_it_grows_and_a_client_that_leaves_frees_its_row(stand_in):
+    """ "stream": true answers in server-sent events whose texts join to the answers; a client
+    that closes the connection mid-way has its row taken out (the stand-in decodes "slow"
+    until then), /metrics counts both streams, and the server answers on."""
+    port, fake, _ = stand_in
+    events = _events(port, ["a b", "c d e"], {"temperature": 0.5})
+    assert events[-1] == "[DONE]"
+    joined = ["", ""]
+    for event in events[:-1]:
+        joined[event["index"]] += event["text"]
+    last = [event for event in events[:-1] if "prediction" in event]
+    assert sorted(e["index"] for e in last) == [0, 1]
+    assert (
+        joined
+        == ["A B t=0.5", "C D E t=0.5"]
+        == [e["prediction"] for e in sorted(last, key=lambda e: e["index"])]
+    )
+    assert len(events) > 3  # first words before the answers: pieces, not one block
+    assert _events(port, ["slow"], {}, leave_after=1) == [{"index": 0, "text": "SLOW"}]
+    wait_for(lambda: fake.left == ["slow"], timeout=10)
+    wait_for(lambda: _metric(port, "t5tpu_serve_streams_open") == 0, timeout=10)
+    text = request(port, "GET", "/metrics")[2]
+    assert 't5tpu_serve_streams_total{outcome="completed"} 1.0' in text
+    assert 't5tpu_serve_streams_total{outcome="disconnected"} 1.0' in text
+    assert predict(port, ["after"])["predictions"] == ["AFTER t=0.0"]
+    status, _, content = request(
+        port, "POST", "/v1/predict", {"instances": ["a"], "parameters": {"stream": 1}}
+    )
+    assert status == 400 and "stream = 1 must be true or false" in content["error"]
 
 
 def test_a_full_queue_answers_503_with_retry_after_and_the_queued_are_answered(stand_in):

@@ -26,16 +26,19 @@ import jax
 import numpy as np
 
 from t5tpu import validators
+from t5tpu.api import streaming
 from t5tpu.errors import UserError
 from t5tpu.model import decoding, layers
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
-from t5tpu.model.engine import Engine, Request, encode
+from t5tpu.model.engine import Engine, ListFeed, Request, Row, encode
 from t5tpu.partitioning import Partitioner
 from t5tpu.storage.run_record import InputShaping, RunRecord
 from t5tpu.tasks import shaping
 
 # Rows, lengths and chunks: True is an int to Python, not a count.
 _COUNT = validators.whole(low=1)
+# stream() gives out each input's new text at least this many tokens apart.
+_STREAM_STEPS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -260,6 +263,32 @@ class T5Model:
             rows = self.model_inputs(_texts(group), exact_inputs=exact)
             yield from self._predict_texts(rows, first=first, settings=chosen)
             first += len(group)
+
+    def stream(self, inputs: list[str], **settings) -> Iterator[streaming.Piece]:
+        """predict's answers as they decode: streaming.Piece(index, text) as each input's
+        answer grows (a few tokens at a time), its last piece with the whole `prediction` and
+        its `finish_reason`; each input's texts join to its prediction. Inputs of one padded
+        length decode together, so pieces of different inputs interleave. `settings` as
+        predict's; beam search gives each answer whole."""
+        exact = _known(settings).pop("exact_inputs", False)
+        request = self._settings(**settings)
+        texts = self.model_inputs(_texts(inputs), exact_inputs=exact)
+        rows = [
+            Row(self._encode(text), i, request.settings.seed, tag=i) for i, text in enumerate(texts)
+        ]
+        engine = self.engine
+        feed = ListFeed(rows, bucket=engine.bucket, fill=engine.few_rows)
+        deltas = [streaming.TextDeltas(self.vocabulary.decode) for _ in rows]
+        wanted = lambda row: True  # noqa: E731 - every row is streamed
+        for decoded in engine.stream(feed, request, poll_steps=_STREAM_STEPS, partial=wanted):
+            index, ids = decoded.row.tag, decoded.ids
+            if decoded.state == "decoding":
+                if piece := deltas[index].update(ids):
+                    yield streaming.Piece(index, piece)
+                continue
+            answer = self.vocabulary.decode(ids.tolist())
+            reason = streaming.finish_reason(ids, self.vocabulary.eos_id)
+            yield streaming.Piece(index, deltas[index].finish(answer), answer, reason)
 
     def predict_file(
         self, input_file: str, output_file: str, *, chunk_size: int = 4096, **settings

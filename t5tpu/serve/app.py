@@ -3,8 +3,9 @@ batcher and wait for them, answering every failure as {"error": "<one line>"} wi
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
                                                "parameters": {num_beams, max_length,
-                                               temperature, top_k, top_p, seed, task,
-                                               exact_inputs, adapter}}
+                                               temperature, top_k, top_p, seed, the
+                                               penalties, task, exact_inputs, adapter,
+                                               stream (server-sent events: streams.py)}}
     POST /v1/score                            {"instances": [{"input": ..., "target": ...}],
                                                "parameters": {task, exact_inputs, adapter}}
     POST /v1/<route>                          each route the tasks offer (task_calls.py):
@@ -34,12 +35,12 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as Path
 
 from t5tpu.errors import one_line_message
 from t5tpu.model.engine import Row
-from t5tpu.serve import payloads
+from t5tpu.serve import payloads, streams
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
 from t5tpu.serve.model_worker import Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
@@ -204,10 +205,34 @@ class Service:
 
     async def predict(self, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare_predict, await self._body(request))
+        if prepared.request.stream:
+            return self._streamed(prepared)
         texts = prepared.values(await _results(request, self.batcher.submit(prepared.rows)))
         if prepared.request.objects:
             texts = [{"prediction": text} for text in texts]
         return _reply(texts, prepared.warnings)
+
+    def _streamed(self, prepared: _Prepared) -> Response:
+        """The prepared rows queued with a listener each, answered as server-sent events
+        (streams.py); a full queue is still a 503, before the stream starts."""
+        queue = streams.Events()
+        listeners = queue.listeners(len(prepared.rows), decode=self._worker().vocabulary.decode)
+        rows = [
+            (dataclasses.replace(group, streams=True), dataclasses.replace(row, tag=listener))
+            for (group, row), listener in zip(prepared.rows, listeners, strict=True)
+        ]
+        futures = self.batcher.submit(rows)
+        self.metrics.streams_open.inc()
+
+        def ended(outcome: str) -> None:
+            self.metrics.streams_open.dec()
+            self.metrics.streams.labels(outcome=outcome).inc()
+
+        body = streams.sent(
+            queue, futures=futures, rows=listeners, warnings=prepared.warnings, ended=ended
+        )
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        return StreamingResponse(body, media_type="text/event-stream", headers=headers)
 
     async def score(self, request: Request) -> Response:
         prepared = await run_in_threadpool(self.prepare_score, await self._body(request))

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from t5tpu.api import streaming
 from t5tpu.api.model import T5Model
 from t5tpu.model import decoding
 from t5tpu.model.engine import Encoded, Engine, Request, Row
@@ -31,8 +32,10 @@ from t5tpu.serve.payloads import Decoding
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.tasks import shaping
 
-# A decoding batch looks for newly queued rows of its group at least this many steps apart.
+# A decoding batch looks for newly queued rows of its group at least this many steps apart;
+# a batch of streamed rows hands out their new text this often.
 _POLL_STEPS = 8
+_STREAM_STEPS = 2
 # The settings that are each row's own values, at their defaults: a group's rows may differ in
 # them (sampling's temperature is 1.0 in the group, 0.0 greedy's).
 _VALUES = {"top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
@@ -50,21 +53,26 @@ class Group:
     """Rows one program runs together: 'decode' with its settings, or 'score'; the padded
     length of their inputs; the LoRA adapter they run with (None: the base alone). Rows batch
     only with their length bucket: a short input padded to a long one's bucket would cost as
-    much encoder time as the long one, and on a CPU the encoder is often most of a request."""
+    much encoder time as the long one, and on a CPU the encoder is often most of a request.
+    Streamed rows batch apart: their batches end a segment every _STREAM_STEPS tokens to hand
+    out their text, where others run _POLL_STEPS."""
 
     kind: str
     length: int
     decoding: Decoding | None = None
     adapter: str | None = None
+    streams: bool = False
 
     @classmethod
-    def for_decoding(cls, settings: Decoding, length: int, adapter: str | None = None) -> Group:
+    def for_decoding(
+        cls, settings: Decoding, length: int, adapter: str | None = None, streams: bool = False
+    ) -> Group:
         # The seed only picks row keys, and the values are each row's (engine.Row's
         # `settings`): rows of every seed, temperature, top_k, top_p and penalty share a batch.
         if settings.num_beams == 1:
             sampled = 1.0 if settings.temperature > 0 else 0.0
             settings = dataclasses.replace(settings, **_VALUES, temperature=sampled)
-        return cls("decode", length, dataclasses.replace(settings, seed=0), adapter)
+        return cls("decode", length, dataclasses.replace(settings, seed=0), adapter, streams)
 
     @classmethod
     def for_scoring(cls, length: int, adapter: str | None = None) -> Group:
@@ -129,6 +137,17 @@ class Runs:
         return self._answering[adapter].defaults
 
 
+def _listener(row: Row):
+    """A queued row's streams.Listener (its request's own row's tag), None if not streamed."""
+    return row.tag.item.tag
+
+
+def _left(row: Row) -> bool:
+    """Whether a streamed row's client has gone (its slot is then freed)."""
+    listener = _listener(row)
+    return listener is not None and listener.left
+
+
 class ModelWorker:
     """A loaded T5Model's engine, and its LoRA adapters' if any, run group by group for the
     server."""
@@ -146,6 +165,7 @@ class ModelWorker:
         """`defaults`: the served model's own, whose programs are compiled at warm-up; `runs`:
         how it and each adapter answer (default: the model's run, at the model's lengths)."""
         self.vocabulary = model.vocabulary
+        self._eos = model.vocabulary.eos_id
         base = Answering(model.run_record, model.shapes.max_input_length, defaults)
         self.runs = runs or Runs({None: base})
         self.vocab_size = model.model.config.vocab_size
@@ -198,8 +218,19 @@ class ModelWorker:
             return
         queued = _QueuedRows(feed, bucket=group.length, first=engine.batch_size)
         request = self._request(group.decoding)
-        for decoded in engine.stream(queued, request, poll_steps=_POLL_STEPS):
-            feed.answer(decoded.row.tag, self.vocabulary.decode(decoded.ids.tolist()))
+        watched = {"partial": _listener, "left": _left}
+        steps = _STREAM_STEPS if group.streams else _POLL_STEPS
+        for decoded in engine.stream(queued, request, poll_steps=steps, **watched):
+            listener = _listener(decoded.row)
+            if decoded.state == "decoding":
+                listener.progress(decoded.ids)
+            elif decoded.state == "left":
+                feed.answer(decoded.row.tag, None)  # no one waits for it now
+            else:
+                text = self.vocabulary.decode(decoded.ids.tolist())
+                if listener is not None:
+                    listener.finish(text, streaming.finish_reason(decoded.ids, self._eos))
+                feed.answer(decoded.row.tag, text)
 
     def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
         """A request's own values, which its rows carry (None: the group's do)."""

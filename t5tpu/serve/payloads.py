@@ -35,6 +35,8 @@ ADAPTER = "adapter"
 EXACT_INPUTS = "exact_inputs"
 # false: a task route asks a model trained on another task all the same.
 CHECK_TASK = "check_task"
+# true: /v1/predict answers in server-sent events, each answer's text as it decodes.
+STREAM = "stream"
 _INPUT, _TARGET = Field("input"), Field("target")
 
 
@@ -103,6 +105,7 @@ class PredictRequest:
     task: str | None = None
     adapter: str | None = None
     exact_inputs: bool = False
+    stream: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,10 +337,15 @@ def predict_request(
         texts = [_fields(x, f"instances[{i}]", (_INPUT,))["input"] for i, x in enumerate(instances)]
     else:
         texts = [_text(x, f"instances[{i}]") for i, x in enumerate(instances)]
-    allowed = (*DECODING_PARAMETERS, TASK, EXACT_INPUTS)
+    allowed = (*DECODING_PARAMETERS, TASK, EXACT_INPUTS, STREAM)
     parameters = dict(_parameters(payload, limits.with_adapter(allowed)))
     task, adapter = _task(parameters), _adapter(parameters, limits)
-    exact = _flag(parameters, EXACT_INPUTS, False)
+    exact, stream = _flag(parameters, EXACT_INPUTS, False), _flag(parameters, STREAM, False)
+    if stream and task is not None:
+        raise PayloadError(
+            f"parameter {STREAM} streams the model's own text, which task {json.dumps(task)} "
+            "would post-process; leave out one of them"
+        )
     decoding = _decoding(parameters, defaults(adapter), limits)
     return PredictRequest(
         texts=tuple(texts),
@@ -346,6 +354,7 @@ def predict_request(
         task=task,
         adapter=adapter,
         exact_inputs=exact,
+        stream=stream,
     )
 
 

@@ -6,6 +6,8 @@ t5tpu_serve_batch_rows{kind}                rows per model call (how well reques
 t5tpu_serve_batch_seconds{kind}             model time per call
 t5tpu_serve_queue_rows                      rows waiting for the model now
 t5tpu_serve_truncated_inputs_total          inputs cut to the model's input length
+t5tpu_serve_streams_total{outcome}          streamed predictions: completed, failed, disconnected
+t5tpu_serve_streams_open                    streams being sent now
 t5tpu_serve_ready                           1 once the model is loaded and compiled
 t5tpu_serve_programs                        the engine's compiled programs
 t5tpu_serve_programs_lowered                programs jax lowered for compiling in this process
@@ -60,6 +62,10 @@ class ServeMetrics:
             "truncated_inputs", "inputs cut to the model's input length", **kwargs
         )
         self.ready = prometheus_client.Gauge("ready", "1 once the model can answer", **kwargs)
+        self.streams = prometheus_client.Counter(
+            "streams", "streamed predictions by how they ended", ["outcome"], **kwargs
+        )
+        self.streams_open = prometheus_client.Gauge("streams_open", "streams now", **kwargs)
         self.programs = prometheus_client.Gauge("programs", "compiled programs", **kwargs)
         self.lowered = prometheus_client.Gauge(
             "programs_lowered", "programs lowered for compiling", **kwargs
