@@ -245,6 +245,48 @@ def test_greedy_with_penalties_decodes_as_transformers_generate(tmp_path):
         np.testing.assert_array_equal(decoded.ids, expected[name][r], err_msg=name)
 
 
+@pytest.mark.parametrize("variant", ["1.0", "1.1"])
+def test_n_best_beams_and_their_scores_are_transformers_own(saved, variant):
+    """Beam search's n best with T5X's length penalty alpha 0: the sequences and scores of
+    transformers' beam search with length_penalty 0 (both rank by log-likelihood alone)."""
+    from t5tpu import api
+    from t5tpu.model import decoding, engine
+
+    model, directory, _, _ = saved[variant]
+    inputs, _ = _batch()
+    length, beams, n = 8, 4, 3
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=torch.tensor(inputs),
+            attention_mask=torch.tensor(inputs != 0),
+            max_new_tokens=length,
+            num_beams=beams,
+            num_return_sequences=n,
+            length_penalty=0.0,
+            early_stopping=False,
+            do_sample=False,
+            decoder_start_token_id=0,
+            eos_token_id=EOS,
+            pad_token_id=0,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
+    want = np.zeros((len(inputs) * n, length), np.int64)
+    sequences = out.sequences.numpy()[:, 1:]
+    want[:, : sequences.shape[1]] = sequences
+    want = want.reshape(len(inputs), n, length)
+    loaded = api.load(directory, batch_size=4, max_target_length=length)
+    settings = {"num_beams": beams, "num_return_sequences": n, "beam_alpha": 0.0}
+    np.testing.assert_array_equal(loaded.generate_ids(inputs, **settings), want)
+    assert len({tuple(s) for row in want for s in row}) > len(inputs)  # n distinct a row
+    rows = [[int(i) for i in row if i] for row in inputs]
+    request = engine.Request(decoding.DecodingSettings(**settings), length)
+    scores = np.stack([d.scores for d in loaded.engine.decoded(rows, request)])
+    np.testing.assert_allclose(
+        scores, out.sequences_scores.numpy().reshape(len(inputs), n), rtol=1e-4, atol=1e-4
+    )
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_gives_identical_tensors_and_logits(saved, variant, tmp_path):
     model, directory, config, params = saved[variant]

@@ -109,6 +109,8 @@ def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_
         ({"no_repeat_ngram_size": -1}, "NO_REPEAT_NGRAM_SIZE = -1 must be a whole number >= 0"),
         ({"min_new_tokens": 2.5}, "MIN_NEW_TOKENS = 2.5 must be a whole number >= 0"),
         ({"num_beams": 2, "min_new_tokens": 3}, "beam search does not take REPETITION_PENALTY"),
+        ({"num_return_sequences": 2}, "NUM_RETURN_SEQUENCES = 2 must be from 1 to NUM_BEAMS (1)"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "NUM_RETURN_SEQUENCES = 3 must be from"),
     ],
 )
 def test_check_settings_refuses_penalties_out_of_range_or_beside_beams(settings, message):
@@ -125,7 +127,7 @@ def test_decoding_macros_are_defined_once_for_eval_and_infer():
     defined = {
         name: re.findall(
             r"^(NUM_BEAMS|TEMPERATURE|TOP_K|TOP_P|REPETITION_PENALTY|NO_REPEAT_NGRAM_SIZE"
-            r"|MIN_NEW_TOKENS) = (.*)$",
+            r"|MIN_NEW_TOKENS|NUM_RETURN_SEQUENCES) = (.*)$",
             text,
             re.M,
         )
@@ -134,6 +136,7 @@ def test_decoding_macros_are_defined_once_for_eval_and_infer():
     decoding_macros = [("NUM_BEAMS", "1"), ("TEMPERATURE", "0.0"), ("TOP_K", "0")]
     decoding_macros += [("TOP_P", "1.0"), ("REPETITION_PENALTY", "1.0")]
     decoding_macros += [("NO_REPEAT_NGRAM_SIZE", "0"), ("MIN_NEW_TOKENS", "0")]
+    decoding_macros += [("NUM_RETURN_SEQUENCES", "1")]
     assert defined == {"eval.gin": [], "infer.gin": [], "decoding.gin": decoding_macros}
     for name in ("eval.gin", "infer.gin"):
         assert "include 'configs/runs/decoding.gin'" in texts[name]

@@ -431,6 +431,25 @@ def test_streamed_answers_join_to_the_unstreamed_ones(runs, models, settings):
         assert max(counts) > 1 and max(served_counts) > 1, (counts, served_counts)
 
 
+def test_n_best_answers_and_scores_alike_everywhere(runs, models, tmp_path):
+    """NUM_RETURN_SEQUENCES / num_return_sequences: beam search's n best, best first, through
+    infer, predict and serve, each with its summed log-probability (equal to transformers'
+    own scores: tests/test_hf_format.py)."""
+    flags = ["--gin.NUM_BEAMS=3", "--gin.NUM_RETURN_SEQUENCES=2"]
+    settings = {"num_beams": 3, "num_return_sequences": 2}
+    rows = infer(
+        runs.text, tmp_path / "infer", TEXT_LINES, *flags, gin_file=TEXT_TO_TEXT_EXPERIMENT
+    )
+    ours = models.text.predict(TEXT_LINES, **settings)
+    assert [row["prediction"] for row in rows] == ours
+    assert all(len(answers) == len(set(answers)) == 2 for answers in ours)
+    served = runs.servers["text"].predict(TEXT_LINES, **settings)
+    assert [[answer["prediction"] for answer in row] for row in served] == ours
+    scores = np.asarray([row["scores"] for row in rows])
+    np.testing.assert_allclose([[a["score"] for a in row] for row in served], scores, atol=1e-4)
+    assert (scores < 0).all() and len(np.unique(scores)) > len(TEXT_LINES)
+
+
 @pytest.mark.parametrize(("flags", "parameters"), SEARCHES, ids=["beam", "sampling", "top_p"])
 def test_text_to_text_beam_search_and_sampling_agree(runs, models, flags, parameters, tmp_path):
     rows = infer(

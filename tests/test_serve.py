@@ -387,6 +387,23 @@ BAD_REQUESTS = [
     (
         "POST",
         "/v1/predict",
+        {"instances": ["a"], "parameters": {"num_beams": 2, "num_return_sequences": 3}},
+        400,
+        "num_return_sequences=3 must be at most num_beams (2)",
+    ),
+    (
+        "POST",
+        "/v1/predict",
+        {
+            "instances": ["a"],
+            "parameters": {"num_beams": 2, "num_return_sequences": 2, "stream": True},
+        },
+        400,
+        "parameter stream gives one answer an instance",
+    ),
+    (
+        "POST",
+        "/v1/predict",
         {"instances": ["a"], "parameters": {"num_beams": 2, "temperature": 0.5}},
         400,
         "does not sample",
@@ -523,7 +540,7 @@ class StandInEngine:
 
     def row_settings(self, wanted: Decoding):
         """A request's own values, as ModelWorker.row_settings gives them."""
-        settings = wanted.settings(beam_alpha=0.6)
+        settings = wanted.settings()
         return settings if settings.samples or settings.penalizes else None
 
     def answers_as(self, record) -> None:

@@ -147,14 +147,18 @@ class T5Model:
         repetition_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
         min_new_tokens: int | None = None,
+        beam_alpha: float | None = None,
+        num_return_sequences: int | None = None,
     ) -> np.ndarray:
-        """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros.
+        """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros;
+        [len(input_ids), num_return_sequences, max_new_tokens] with beam search's n best.
 
         input_ids: rows of token ids (a 2-D array with 0 as padding, or lists), ending with EOS
-        as a tokenizer writes them. num_beams > 1 is beam search (the run's length penalty,
-        0.6 by default); temperature > 0 samples (from the top_k most likely tokens when top_k
-        > 0, then the fewest whose probability reaches top_p when it is below 1, as Hugging
-        Face's warpers do), seeded. Greedy and sampling take Hugging Face's
+        as a tokenizer writes them. num_beams > 1 is beam search (T5X's length penalty
+        beam_alpha, the run's or 0.6; 0 ranks by log-likelihood alone, as Hugging Face's
+        length_penalty 0 does); temperature > 0 samples (from the top_k most likely tokens
+        when top_k > 0, then the fewest whose probability reaches top_p when it is below 1, as
+        Hugging Face's warpers do), seeded. Greedy and sampling take Hugging Face's
         repetition_penalty, no_repeat_ngram_size and min_new_tokens. Each setting left None is
         the run's (`decoding_defaults`), the length the model's max_target_length.
         """
@@ -168,6 +172,8 @@ class T5Model:
             repetition_penalty=repetition_penalty,
             no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens,
+            beam_alpha=beam_alpha,
+            num_return_sequences=num_return_sequences,
         )
         return self._generate(_ids_rows(input_ids), request)
 
@@ -185,9 +191,12 @@ class T5Model:
     def _generate(self, rows: list, request: Request, first: int = 0) -> np.ndarray:
         """Decoded ids of `rows`; row i samples with the key of index first + i among all the
         inputs (decoding.row_keys), so a row samples alike in any batch."""
+        n = request.settings.num_return_sequences
         if not rows:
-            return np.zeros((0, request.max_length), np.int32)
-        return np.stack(self.engine.generate(rows, request, first=first))
+            return np.zeros((0, *([n] if n > 1 else []), request.max_length), np.int32)
+        if n == 1:
+            return np.stack(self.engine.generate(rows, request, first=first))
+        return np.stack([d.sequences for d in self.engine.decoded(rows, request, first=first)])
 
     def logits(self, input_ids, decoder_input_ids, attention_mask=None) -> np.ndarray:
         """float32 [batch, decoder length, vocab] logits, as transformers' T5 returns them.
@@ -222,11 +231,14 @@ class T5Model:
         repetition_penalty: float | None = None,
         no_repeat_ngram_size: int | None = None,
         min_new_tokens: int | None = None,
+        beam_alpha: float | None = None,
+        num_return_sequences: int | None = None,
         exact_inputs: bool = False,
-    ) -> list[str]:
-        """The model's output text for each input, each input first shaped as the run's task
-        shaped its training inputs (`exact_inputs=True`: taken as the model input as it is);
-        see generate_ids for the decoding settings."""
+    ) -> list[str] | list[list[str]]:
+        """The model's output text for each input (a list of num_return_sequences, best
+        first, with beam search's n best), each input first shaped as the run's task shaped its
+        training inputs (`exact_inputs=True`: taken as the model input as it is); see
+        generate_ids for the decoding settings."""
         settings = self._settings(
             max_length=max_length,
             num_beams=num_beams,
@@ -237,6 +249,8 @@ class T5Model:
             repetition_penalty=repetition_penalty,
             no_repeat_ngram_size=no_repeat_ngram_size,
             min_new_tokens=min_new_tokens,
+            beam_alpha=beam_alpha,
+            num_return_sequences=num_return_sequences,
         )
         rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
         return self._predict_texts(rows, first=0, settings=settings)
@@ -272,6 +286,8 @@ class T5Model:
         predict's; beam search gives each answer whole."""
         exact = _known(settings).pop("exact_inputs", False)
         request = self._settings(**settings)
+        if request.settings.num_return_sequences > 1:
+            raise UserError("stream gives one answer an input: leave num_return_sequences at 1")
         texts = self.model_inputs(_texts(inputs), exact_inputs=exact)
         rows = [
             Row(self._encode(text), i, request.settings.seed, tag=i) for i, text in enumerate(texts)
@@ -324,7 +340,10 @@ class T5Model:
         """Model inputs decoded; `first` is the place of texts[0] among all the inputs."""
         rows = [self._encode(text) for text in texts]
         ids = self._generate(rows, settings, first=first)
-        return [self.vocabulary.decode(row.tolist()) for row in ids]
+        decode = self.vocabulary.decode
+        if settings.settings.num_return_sequences > 1:
+            return [[decode(one.tolist()) for one in row] for row in ids]
+        return [decode(row.tolist()) for row in ids]
 
     def score(self, inputs: list[str], targets: list[str], *, exact_inputs: bool = False):
         """float32 log-likelihood of each target given its input (shaped as predict's),
@@ -346,6 +365,7 @@ class T5Model:
 _SETTINGS = (
     *("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs"),
     *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
+    *("beam_alpha", "num_return_sequences"),
 )
 
 

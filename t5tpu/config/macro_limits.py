@@ -77,6 +77,7 @@ LIMITS: dict[str, Limit] = {
     "REPETITION_PENALTY": Limit(validators.number(above=0), "1.2"),
     "NO_REPEAT_NGRAM_SIZE": _count("3"),
     "MIN_NEW_TOKENS": _count("4"),
+    "NUM_RETURN_SEQUENCES": _positive("3"),
     # None: infer's "the run's" (a run that trains or evaluates still needs them).
     "TASK_FEATURE_LENGTHS": Limit(
         validators.optional(Rule(_lengths, "a dict of feature lengths >= 1")),

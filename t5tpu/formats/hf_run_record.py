@@ -55,8 +55,11 @@ def generation_config(record: RunRecord | None) -> dict:
         "repetition_penalty": (decoding.repetition_penalty, 1.0),
         "no_repeat_ngram_size": (decoding.no_repeat_ngram_size, 0),
         "min_new_tokens": (decoding.min_new_tokens, 0),
+        "num_return_sequences": (decoding.num_return_sequences, 1),
     }
     fields.update((name, value) for name, (value, off) in penalties.items() if value != off)
+    if decoding.num_beams > 1 and decoding.beam_alpha == 0:
+        fields["length_penalty"] = 0.0  # both rank by log-likelihood alone: the same beams
     return fields
 
 
@@ -74,7 +77,7 @@ def notes(record: RunRecord | None) -> list[str]:
             "the run lower-cased its questions and dropped double quotes, which transformers "
             "does not do: lower-case inputs before the pipeline"
         )
-    if record.decoding.num_beams > 1:
+    if record.decoding.num_beams > 1 and record.decoding.beam_alpha != 0:
         found.append(
             f"beam search's length penalty is T5X's (alpha {record.decoding.beam_alpha:g}); "
             "transformers' length_penalty is another formula, so its beams may differ"

@@ -39,9 +39,10 @@ class DecodingSettings:
     top_k most likely tokens and the smallest set whose probability reaches top_p, in Hugging
     Face's order), or beam search (num_beams > 1, length penalty beam_alpha). Greedy and
     sampling also take Hugging Face's repetition_penalty, no_repeat_ngram_size and
-    min_new_tokens, applied before the temperature as its logits processors are. `seed` feeds
-    sampling only. The gin macros of the same names in capitals set these for eval and infer.
-    These values are each row's own inputs of the programs: one program decodes rows of any."""
+    min_new_tokens, applied before the temperature as its logits processors are; beam search
+    returns its num_return_sequences best. `seed` feeds sampling only. The gin macros of the
+    same names in capitals set these for eval and infer. Greedy's and sampling's values are
+    each row's own inputs of the programs: one program decodes rows of any."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -52,6 +53,7 @@ class DecodingSettings:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
+    num_return_sequences: int = 1
 
     @property
     def samples(self) -> bool:
@@ -97,9 +99,9 @@ class DecodingSettings:
                 "choose one: NUM_BEAMS = 1 to sample, or TEMPERATURE = 0.0, TOP_K = 0 and "
                 "TOP_P = 1.0 for beam search"
             )
-        self._check_penalties()
+        self._check_hf_options()
 
-    def _check_penalties(self) -> None:
+    def _check_hf_options(self) -> None:
         penalty = self.repetition_penalty
         if not (validators.is_number(penalty) and PENALTIES[0] <= penalty <= PENALTIES[1]):
             raise UserError(
@@ -109,6 +111,13 @@ class DecodingSettings:
         for name in ("no_repeat_ngram_size", "min_new_tokens"):
             value = getattr(self, name)
             validators.whole(0).check(name.upper(), value)
+        returned = self.num_return_sequences
+        if not (validators.is_whole(returned, low=1) and returned <= max(self.num_beams, 1)):
+            raise UserError(
+                f"NUM_RETURN_SEQUENCES = {returned!r} must be from 1 to NUM_BEAMS "
+                f"({self.num_beams}): the n best hypotheses of beam search (sampled ones: not "
+                "yet)"
+            )
         if self.num_beams > 1 and self.penalizes:
             raise UserError(
                 f"NUM_BEAMS = {self.num_beams}: beam search does not take REPETITION_PENALTY, "
@@ -645,7 +654,7 @@ class _BeamSearch:
         return scores, beams.live.at[:, :, beams.position].set(self.eos_id)
 
 
-def beam_search(
+def beam_hypotheses(
     module: nn.Module,
     params,
     encoder_input_tokens: Array,
@@ -654,8 +663,9 @@ def beam_search(
     num_beams: int = 4,
     alpha: float = 0.6,
 ) -> tuple[Array, Array]:
-    """Beam search with T5X's length penalty. Returns (tokens [batch, max_decode_length], scores
-    [batch]): the best hypothesis of each example, ending at its EOS (included), zeros after.
+    """Beam search with T5X's length penalty. Returns (tokens [batch, num_beams,
+    max_decode_length], scores [batch, num_beams]): each example's num_beams best hypotheses,
+    best first, each ending at its EOS (included), zeros after.
 
     A hypothesis is finished when it emits EOS or reaches max_decode_length; its score is its
     summed log-probability divided by length_penalty(its length in tokens, EOS included). Every
@@ -681,4 +691,19 @@ def beam_search(
     cache = _expand_to_beams(cache, num_beams, only=_is_self_attention_cache)
     start = search.start(cache, batch=encoder_input_tokens.shape[0])
     beams = jax.lax.while_loop(search.not_finished, search.step, start)
-    return beams.finished[:, 0], beams.finished_scores[:, 0]
+    return beams.finished, beams.finished_scores
+
+
+def beam_search(*args, **kwargs) -> tuple[Array, Array]:
+    """beam_hypotheses' best hypothesis of each example: (tokens [batch, max_decode_length],
+    its score [batch])."""
+    tokens, scores = beam_hypotheses(*args, **kwargs)
+    return tokens[:, 0], scores[:, 0]
+
+
+def log_likelihoods(tokens: Array, scores: Array, eos_id: int, alpha: float) -> Array:
+    """The summed log-probabilities of finished hypotheses ([..., length] tokens) whose
+    length-normalized `scores` beam search gave: each score times its length's penalty."""
+    ends = tokens == eos_id
+    length = jnp.where(jnp.any(ends, -1), jnp.argmax(ends, -1) + 1, tokens.shape[-1])
+    return scores * length_penalty(length, alpha)

@@ -82,6 +82,10 @@ class Decoded:
     row: Row
     ids: np.ndarray
     state: str = "finished"
+    # Beam search's num_return_sequences best ([n, max_length], best first) and the summed
+    # log-probability of each, EOS included (None otherwise).
+    sequences: np.ndarray | None = None
+    scores: np.ndarray | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,15 +358,21 @@ class Engine:
     def generate(self, rows: Sequence[Sequence[int]], request: Request, *, first: int = 0):
         """Decoded ids ([max_length] each) of `rows`, in order; row i samples with the key of
         index first + i."""
+        return [decoded.ids for decoded in self.decoded(rows, request, first=first)]
+
+    def decoded(
+        self, rows: Sequence[Sequence[int]], request: Request, *, first: int = 0
+    ) -> list[Decoded]:
+        """generate's Decoded rows, in order (with beam search's n best and their scores)."""
         seed = request.settings.seed
         feed = ListFeed(
             (Row(tuple(ids), first + i, seed, tag=i) for i, ids in enumerate(rows)),
             bucket=self.bucket,
             fill=self.few_rows,
         )
-        out: list[np.ndarray | None] = [None] * len(rows)
+        out: list[Decoded | None] = [None] * len(rows)
         for decoded in self.stream(feed, request):
-            out[decoded.row.tag] = decoded.ids
+            out[decoded.row.tag] = decoded
         return out
 
     def stream(
@@ -403,9 +413,10 @@ class Engine:
     def _beam_batch(self, rows: list[Row], bucket: int, request: Request, count: int):
         program = self._program("beam", request, (count, bucket), self._build_beam)
         tokens = self._put(slot_batch.padded([row.ids for row in rows], count, bucket))
-        out = np.asarray(program(self.params, tokens))
-        for row, ids in zip(rows, out, strict=False):  # padding rows dropped
-            yield Decoded(row, ids)
+        hypotheses, scores = (np.asarray(out) for out in program(self.params, tokens))
+        n = request.settings.num_return_sequences
+        for row, best, score in zip(rows, hypotheses, scores, strict=False):  # padding dropped
+            yield Decoded(row, best[0], sequences=best[:n], scores=score[:n])
 
     def _continuous(self, feed, request, run: _Continuous):
         """Yields the rows of one continuous batch as they finish; returns its _BatchEnd. A
@@ -589,9 +600,11 @@ class Engine:
         eos_id = self.network.vocabulary.eos_id
 
         def beam(params, tokens):
-            return decoding.beam_search(
-                module, params, tokens, max_length, eos_id, settings.num_beams, settings.beam_alpha
-            )[0]
+            alpha = settings.beam_alpha
+            hypotheses, scores = decoding.beam_hypotheses(
+                module, params, tokens, max_length, eos_id, settings.num_beams, alpha
+            )
+            return hypotheses, decoding.log_likelihoods(hypotheses, scores, eos_id, alpha)
 
         return self.jit(beam, (self.partitioner.batch_sharding(),))
 

@@ -211,20 +211,26 @@ class _Decoder:
         fill = self._engine.few_rows if self._fill is None else self._fill
         feed = engine.ListFeed(rows, bucket=self._engine.bucket, fill=fill)
         predictions = {
-            decoded.row.tag: decoded.ids
+            decoded.row.tag: decoded
             for decoded in self._engine.stream(feed, self.request, stop=stop)
         }
         if len(predictions) < len(examples):
             return None
-        return [
-            prediction_files.json_line(
-                ex.record.text,
-                self.vocabulary.decode(predictions[i].tolist()),
-                ex.record.target,
-                model_input=ex.model_input if shown else None,
-            )
-            for i, ex in enumerate(examples)
-        ]
+        return [self._line(ex, predictions[i], shown=shown) for i, ex in enumerate(examples)]
+
+    def _line(self, example: _Example, decoded: engine.Decoded, *, shown: bool) -> str:
+        decode = self.vocabulary.decode
+        prediction, scores = decode(decoded.ids.tolist()), None
+        if self.settings.num_return_sequences > 1:
+            prediction = [decode(ids.tolist()) for ids in decoded.sequences]
+            scores = [round(float(score), 6) for score in decoded.scores]
+        return prediction_files.json_line(
+            example.record.text,
+            prediction,
+            example.record.target,
+            model_input=example.model_input if shown else None,
+            scores=scores,
+        )
 
 
 def _check_settings(
@@ -436,6 +442,7 @@ def infer(
     repetition_penalty: float = 1.0,
     no_repeat_ngram_size: int = 0,
     min_new_tokens: int = 0,
+    num_return_sequences: int = 1,
     mixture_or_task_module: str | None = None,
     output_dir: str | None = None,
     truncation: str = "warn",
@@ -448,7 +455,7 @@ def infer(
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
     chosen = (temperature, top_k, num_beams, beam_alpha, random_seed, top_p)  # their order
-    penalties = (repetition_penalty, no_repeat_ngram_size, min_new_tokens)
+    penalties = (repetition_penalty, no_repeat_ngram_size, min_new_tokens, num_return_sequences)
     settings = decoding.DecodingSettings(*chosen, *penalties)
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)

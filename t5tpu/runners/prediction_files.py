@@ -28,7 +28,7 @@ def file_name(
     settings: decoding.DecodingSettings,
     exact_inputs: bool = False,
 ) -> str:
-    """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A> | -temp<T>[-top<K>][-topp<P>]
+    """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A>[-n<N>] | -temp<T>[-top<K>][-topp<P>]
     -seed<S>][-rep<R>][-ngram<N>][-min<M>].jsonl (-exact: INFER_EXACT_INPUTS where the run's
     shaping changes the inputs; the last three: the penalties, where set).
 
@@ -42,6 +42,8 @@ def file_name(
         name += "-exact"
     if settings.num_beams > 1:
         name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
+        returned = settings.num_return_sequences
+        name += f"-n{returned}" if returned > 1 else ""
     elif settings.samples:
         top = f"-top{settings.top_k}" if settings.top_k else ""
         top += f"-topp{settings.top_p:g}" if settings.top_p < 1 else ""
@@ -112,14 +114,23 @@ def predictions_path(
 
 
 def json_line(
-    text: str, prediction: str, target: str | None = None, *, model_input: str | None = None
+    text: str,
+    prediction: str | list[str],
+    target: str | None = None,
+    *,
+    model_input: str | None = None,
+    scores: list[float] | None = None,
 ) -> str:
     """One line of a predictions file: {"input", "prediction"}, "target" when known, and
-    "model_input" (the input as the model's task shaped it) when the inputs were shaped."""
+    "model_input" (the input as the model's task shaped it) when the inputs were shaped; with
+    beam search's n best, "prediction" lists them, best first, and "scores" their summed
+    log-probabilities."""
     row = {"input": text}
     if model_input is not None:
         row["model_input"] = model_input
     row["prediction"] = prediction
+    if scores is not None:
+        row["scores"] = scores
     if target is not None:
         row["target"] = target
     return json.dumps(row, ensure_ascii=False) + "\n"

@@ -192,7 +192,8 @@ def _run_record(data: InputSettings) -> RunRecord:
     """What this run decides about its model's inputs and outputs, saved with every checkpoint
     for the front ends: the task, its lengths and input shaping, and the decoding eval and
     infer use (runner_settings.infer_decoding)."""
-    defaults = runner_settings.infer_decoding()
+    # n-best is what one infer asks for, not how the model answers everywhere.
+    defaults = dataclasses.replace(runner_settings.infer_decoding(), num_return_sequences=1)
     lengths = pipeline.model_lengths(data.task_feature_lengths)
     return shaping.record_for_run(data.task_name, lengths, defaults)
 

@@ -208,7 +208,8 @@ class Service:
         if prepared.request.stream:
             return self._streamed(prepared)
         texts = prepared.values(await _results(request, self.batcher.submit(prepared.rows)))
-        if prepared.request.objects:
+        n_best = prepared.request.decoding.num_return_sequences > 1  # lists of {prediction, score}
+        if prepared.request.objects and not n_best:
             texts = [{"prediction": text} for text in texts]
         return _reply(texts, prepared.warnings)
 

@@ -50,7 +50,6 @@ class ModelSetup:
     max_input_length: int
     max_target_length: int
     defaults: Decoding
-    beam_alpha: float
     truncation: str
     adapters: tuple[lora_adapters.AdapterCheckpoint, ...] = ()
     # How the model (None) and each adapter answer: its run's record, lengths and defaults.
@@ -127,7 +126,6 @@ def model_setup(
         max_input_length=max(a.input_length for a in answering.values()),
         max_target_length=max(a.defaults.max_length for a in answering.values()),
         defaults=answering[None].defaults,
-        beam_alpha=runner_settings.infer_decoding(sized.decoding if sized else None).beam_alpha,
         truncation=truncation or bound.truncation,
         adapters=opened,
         answering=answering,
@@ -169,11 +167,13 @@ def _lengths(flags, told, record, say) -> tuple[int, int]:
 def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
     """Each decoding default from the gin files where they bind it, else from the run."""
     settings = runner_settings.infer_decoding(record.decoding if record else None)
+    # n-best only when a request asks: a default of several would make every answer a list.
+    settings = dataclasses.replace(settings, num_return_sequences=1)
     return Decoding.of(settings, max_length=target_length)
 
 
 def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
-    return setup.defaults.settings(beam_alpha=setup.beam_alpha)
+    return setup.defaults.settings()
 
 
 def load_worker(
@@ -204,7 +204,6 @@ def load_worker(
         model=model,
         max_batch_size=max_batch_size,
         defaults=setup.defaults,
-        beam_alpha=setup.beam_alpha,
         adapters=served,
         runs=Runs(setup.answering) if setup.answering else None,
     )

@@ -69,9 +69,9 @@ class Group:
     ) -> Group:
         # The seed only picks row keys, and the values are each row's (engine.Row's
         # `settings`): rows of every seed, temperature, top_k, top_p and penalty share a batch.
-        if settings.num_beams == 1:
+        if settings.num_beams == 1:  # beam_alpha is beam search's alone
             sampled = 1.0 if settings.temperature > 0 else 0.0
-            settings = dataclasses.replace(settings, **_VALUES, temperature=sampled)
+            settings = dataclasses.replace(settings, **_VALUES, temperature=sampled, beam_alpha=0.6)
         return cls("decode", length, dataclasses.replace(settings, seed=0), adapter, streams)
 
     @classmethod
@@ -158,7 +158,6 @@ class ModelWorker:
         model: T5Model,
         max_batch_size: int,
         defaults: Decoding,
-        beam_alpha=0.6,
         adapters: ServedAdapters | None = None,
         runs: Runs | None = None,
     ):
@@ -172,7 +171,6 @@ class ModelWorker:
         self.max_input_length = model.shapes.max_input_length
         self.max_target_length = model.shapes.max_target_length
         self.defaults = defaults
-        self._beam_alpha = beam_alpha
         self.adapters = adapters
         self.adapter_names = adapters.names if adapters else ()
         # With adapters, their engine runs the base too (as an adapter of zeros): one set of
@@ -226,11 +224,21 @@ class ModelWorker:
                 listener.progress(decoded.ids)
             elif decoded.state == "left":
                 feed.answer(decoded.row.tag, None)  # no one waits for it now
+            elif request.settings.num_return_sequences > 1:
+                feed.answer(decoded.row.tag, self._n_best(decoded))
             else:
                 text = self.vocabulary.decode(decoded.ids.tolist())
                 if listener is not None:
                     listener.finish(text, streaming.finish_reason(decoded.ids, self._eos))
                 feed.answer(decoded.row.tag, text)
+
+    def _n_best(self, decoded) -> list[dict]:
+        """Beam search's n best of a row: {"prediction", "score"} each, best first."""
+        texts = [self.vocabulary.decode(ids.tolist()) for ids in decoded.sequences]
+        return [
+            {"prediction": text, "score": float(score)}
+            for text, score in zip(texts, decoded.scores, strict=True)
+        ]
 
     def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
         """A request's own values, which its rows carry (None: the group's do)."""
@@ -238,4 +246,4 @@ class ModelWorker:
         return settings if settings.samples or settings.penalizes else None
 
     def _request(self, wanted: Decoding) -> Request:
-        return Request(wanted.settings(beam_alpha=self._beam_alpha), wanted.max_length)
+        return Request(wanted.settings(), wanted.max_length)

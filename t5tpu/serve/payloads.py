@@ -25,6 +25,7 @@ _MAX_SEED = 2**31 - 1
 DECODING_PARAMETERS = (
     *("num_beams", "max_length", "temperature", "top_k", "top_p", "seed"),
     *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
+    *("beam_alpha", "num_return_sequences"),
 )
 # The parameter naming the task whose route a request uses.
 TASK = "task"
@@ -63,19 +64,18 @@ class Decoding:
     repetition_penalty: float = 1.0
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
+    beam_alpha: float = 0.6
+    num_return_sequences: int = 1
 
-    def settings(self, *, beam_alpha: float) -> DecodingSettings:
-        """The engine's settings for these (the length limit apart), with the server's beam
-        length penalty."""
+    def settings(self) -> DecodingSettings:
+        """The engine's settings for these (the length limit apart)."""
         values = dataclasses.asdict(self)
         del values["max_length"]
-        return DecodingSettings(**values, beam_alpha=beam_alpha)
+        return DecodingSettings(**values)
 
     @classmethod
     def of(cls, settings: DecodingSettings, *, max_length: int) -> Decoding:
-        values = dataclasses.asdict(settings)
-        del values["beam_alpha"]
-        return cls(**values, max_length=max_length)
+        return cls(**dataclasses.asdict(settings), max_length=max_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,7 +273,16 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
         min_new_tokens=_whole(
             parameters, "min_new_tokens", 0, limits.max_length, defaults.min_new_tokens
         ),
+        beam_alpha=_beam_alpha(parameters, defaults.beam_alpha),
+        num_return_sequences=_whole(
+            parameters, "num_return_sequences", 1, MAX_NUM_BEAMS, defaults.num_return_sequences
+        ),
     )
+    if decoding.num_return_sequences > max(decoding.num_beams, 1):
+        raise PayloadError(
+            f"num_return_sequences={decoding.num_return_sequences} must be at most num_beams "
+            f"({decoding.num_beams}): it returns beam search's n best"
+        )
     samples = decoding.temperature > 0 or decoding.top_k > 0 or decoding.top_p < 1
     if decoding.num_beams > 1 and samples:
         raise PayloadError(
@@ -288,6 +297,18 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
             "send num_beams 1"
         )
     return decoding
+
+
+def _one_answer(decoding: Decoding, where: str) -> None:
+    if decoding.num_return_sequences > 1:
+        raise PayloadError(f"{where} gives one answer an instance: leave out num_return_sequences")
+
+
+def _beam_alpha(parameters: dict, default: float) -> float:
+    value = parameters.get("beam_alpha", default)
+    if not (validators.is_number(value) and 0 <= value <= 10):
+        raise PayloadError(f"parameter beam_alpha = {json.dumps(value)} must be from 0 to 10")
+    return float(value)
 
 
 def _repetition_penalty(parameters: dict, default: float) -> float:
@@ -347,6 +368,8 @@ def predict_request(
             "would post-process; leave out one of them"
         )
     decoding = _decoding(parameters, defaults(adapter), limits)
+    if stream or task is not None:
+        _one_answer(decoding, f"parameter {STREAM}" if stream else f"parameter {TASK}")
     return PredictRequest(
         texts=tuple(texts),
         objects=objects,
@@ -427,6 +450,7 @@ def task_request(
         decoding = dataclasses.replace(defaults(adapter), **route.decoding)
     else:
         decoding = _decoding(parameters, defaults(adapter), limits)
+    _one_answer(decoding, f"/v1/{route.name}")
     return TaskRequest(
         route=route, instances=values, decoding=decoding, adapter=adapter, exact_inputs=exact
     )
