@@ -49,11 +49,16 @@ answered when it ends and later requests take its place in the running batch. At
 --max_queue rows wait; beyond that a request gets 503 with Retry-After. SIGTERM stops taking \
 connections, finishes the requests in flight and exits 0.
 
+Slow or idle clients are timed out and, past --max_connections, the one idle longest is \
+closed, so /health answers whatever they hold.
+
 As a Vertex AI container (the image's entrypoint serves when AIP_HTTP_PORT is set), the port \
 is AIP_HTTP_PORT and AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE answer too."""
 
 
 def parser() -> ToolParser:
+    from t5tpu.serve.connections import ConnectionLimits  # uvicorn's parser, jax not
+
     p = ToolParser(prog=f"t5tpu {NAME}", description=_DESCRIPTION, example=EXAMPLE)
     p.add_gin_flags(gin_file_help="gin file(s)")
     p.add_argument("--model", metavar="PATH", help="the model, when not MODEL_DIR")
@@ -77,8 +82,21 @@ def parser() -> ToolParser:
     p.add_argument("--max_queue", type=int, default=512, help="rows waiting; then 503")
     p.add_argument("--max_instances", type=int, default=128, help="instances per request")
     p.add_argument("--max_body_bytes", type=int, default=1_572_864, help="then 413")
-    p.add_argument("--max_connections", type=int, default=256, help="open at once; then 503")
+    p.add_argument(
+        "--max_connections",
+        type=int,
+        default=256,
+        help="open (then the longest idle is closed) and in flight (then 503)",
+    )
     p.add_argument("--shutdown_timeout", type=float, default=30.0, help="seconds, after SIGTERM")
+    limits = ConnectionLimits()
+    seconds = {"header_timeout": "a request's head", "body_timeout": "its body after the head"}
+    seconds["keep_alive_timeout"] = "idle between requests"
+    for name, what in seconds.items():
+        default = getattr(limits, f"{name}_s")
+        p.add_argument(f"--{name}", type=float, default=default, help=f"seconds for {what}; 408")
+    p.add_argument("--max_header_bytes", type=int, default=limits.max_header_bytes, help="then 431")
+    p.add_argument("--max_headers", type=int, default=limits.max_headers, help="then 431")
     p.add_argument(
         "--no_warmup",
         action="store_true",
@@ -89,8 +107,12 @@ def parser() -> ToolParser:
 
 
 def _check(args: argparse.Namespace) -> None:
-    for name in ("max_batch_size", "max_queue", "max_instances", "max_body_bytes"):
+    wholes = ("max_batch_size", "max_queue", "max_instances", "max_body_bytes")
+    for name in (*wholes, "max_header_bytes", "max_headers"):
         validators.whole(low=1).check(f"--{name}", getattr(args, name))
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name}={getattr(args, name)} must be above 0 seconds")
     for name in ("max_connections", "max_input_length", "max_target_length"):
         validators.optional(validators.whole(low=1)).check(f"--{name}", getattr(args, name))
     if not 0 <= args.port <= 65535:
@@ -126,6 +148,7 @@ def run(args: argparse.Namespace) -> int:
     import functools
 
     from t5tpu.serve import app, batcher, model_setup, server
+    from t5tpu.serve.connections import ConnectionLimits
 
     # The port first: a port in use is one line before anything is read.
     sock = server.bind(args.host, args.port)
@@ -149,6 +172,13 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             warm_up=not args.no_warmup,
             log_requests=args.log_requests,
+            limits=ConnectionLimits(
+                header_timeout_s=args.header_timeout,
+                body_timeout_s=args.body_timeout,
+                keep_alive_timeout_s=args.keep_alive_timeout,
+                max_header_bytes=args.max_header_bytes,
+                max_headers=args.max_headers,
+            ),
         ),
         http=app.HttpOptions(
             max_instances=args.max_instances,

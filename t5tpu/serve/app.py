@@ -41,6 +41,7 @@ from t5tpu.errors import one_line_message
 from t5tpu.model.engine import Row
 from t5tpu.serve import payloads
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
+from t5tpu.serve.http_guard import Guard, GuardOptions
 from t5tpu.serve.model_worker import Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
@@ -333,6 +334,11 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
     return _error(error.status_code, message, error.headers)
 
 
+async def _uncaught(request: Request, error: Exception) -> Response:
+    """A bug outside the routes' handlers (in a middleware): Starlette prints its traceback."""
+    return _error(500, f"internal error: {type(error).__name__}: {one_line_message(error)}")
+
+
 def routes(service: Service) -> dict[str, tuple[str, str, object]]:
     """path -> (route name for /metrics, method, handler). The tasks' routes come last, after
     the server's own paths: /v1/{name} is looked up in the tasks' list at request time."""
@@ -345,7 +351,8 @@ def routes(service: Service) -> dict[str, tuple[str, str, object]]:
     return table
 
 
-def build_app(*, service: Service, lifespan) -> Starlette:
+def build_app(*, service: Service, lifespan, guard: GuardOptions) -> Starlette:
+    """The routes, behind the guard's refusals (key, Content-Type, in flight), all counted."""
     table = routes(service)
     service.route_names.update({path: name for path, (name, _, _) in table.items()})
     return Starlette(
@@ -354,8 +361,9 @@ def build_app(*, service: Service, lifespan) -> Starlette:
             for path, (_, method, handler) in table.items()
         ],
         middleware=[
-            Middleware(MetricsMiddleware, metrics=service.metrics, route_names=service.route_names)
+            Middleware(MetricsMiddleware, metrics=service.metrics, route_names=service.route_names),
+            Middleware(Guard, options=guard),
         ],
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: _http_error, Exception: _uncaught},
         lifespan=lifespan,
     )

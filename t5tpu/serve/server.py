@@ -3,9 +3,10 @@ answers 503 meanwhile), answer, and on SIGTERM or Ctrl-C stop taking connections
 request in flight, and exit 0.
 
 uvicorn serves the app on a socket bound here, before anything is loaded, so a port in use is
-one line at start-up. The worker thread loads the model, compiles its programs, then runs the
-batcher until shutdown; jax is called from no other thread. If loading fails, the server stops
-and the command exits with the loading error's one line.
+one line at start-up; its connections are connections.py's (timeouts, head limits).
+The worker thread loads the model, compiles its programs, then runs the batcher until
+shutdown; jax is called from no other thread. If loading fails, the server stops and the
+command exits with the loading error's one line.
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ import uvicorn
 from t5tpu.errors import UserError
 from t5tpu.serve.app import HttpOptions, Service, build_app
 from t5tpu.serve.batcher import Batcher, BatchLimits
+from t5tpu.serve.connections import ConnectionLimits, protocol_class
+from t5tpu.serve.http_guard import GuardOptions
 from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.serve_metrics import ServeMetrics
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    max_connections: int  # beyond it uvicorn answers 503 at once, so memory stays bounded
+    max_connections: int  # open (then the longest idle goes) and in flight (then 503)
     shutdown_timeout_s: float  # in-flight requests get this long after SIGTERM
     warm_up: bool
     log_requests: bool
+    limits: ConnectionLimits = ConnectionLimits()
 
 
 def say(message: str) -> None:
@@ -145,13 +149,18 @@ def build(
         worker.stopping.set()
         batcher.stop()
 
+    guard = GuardOptions(
+        max_in_flight=options.max_connections,
+        open_paths=frozenset(http.health_routes),
+    )
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(service=service, lifespan=lifespan),
+            build_app(service=service, lifespan=lifespan, guard=guard),
+            http=protocol_class(options.limits, options.max_connections),
             lifespan="on",
             log_level="info" if options.log_requests else "warning",
             access_log=options.log_requests,
-            limit_concurrency=options.max_connections,
+            timeout_keep_alive=options.limits.keep_alive_timeout_s,
             timeout_graceful_shutdown=options.shutdown_timeout_s,
         )
     )

@@ -1,0 +1,202 @@
+"""`t5tpu serve`'s limits against clients that are slow, idle or oversized: a real uvicorn
+server on 127.0.0.1 with test_serve's stand-in engine (no jax in the server, quick), timeouts
+set small.
+
+Idle sockets and slowloris senders past --max_connections cannot lock out /health or
+/v1/predict; a slow head or body is a 408; a large head a 431 while it is still unfinished;
+malformed HTTP is a JSON 400. Bounded: a few hundred sockets, every wait a few seconds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import threading
+import time
+
+import pytest
+from cli_runs import t5tpu
+from test_serve import StandInEngine, health, predict
+
+from t5tpu.serve import app, batcher, server
+from t5tpu.serve.connections import ConnectionLimits
+
+LIMITS = ConnectionLimits(
+    header_timeout_s=1.0,
+    body_timeout_s=1.0,
+    keep_alive_timeout_s=1.0,
+    max_header_bytes=4096,
+    max_headers=20,
+)
+MAX_CONNECTIONS = 16
+# Generous for a loaded 2-core machine: the done-when's 1 s is measured by hand.
+ANSWER_WITHIN_S = 3.0
+
+
+@contextlib.contextmanager
+def running_server(limits=LIMITS):
+    """(port, engine, running) of a stand-in server in this process, stopped after."""
+    fake = StandInEngine()
+    running = server.build(
+        options=server.ServerOptions(
+            max_connections=MAX_CONNECTIONS,
+            shutdown_timeout_s=5,
+            warm_up=False,
+            log_requests=False,
+            limits=limits,
+        ),
+        http=app.HttpOptions(max_instances=8, max_body_bytes=4096, truncation="warn", max_queue=8),
+        batching=batcher.BatchLimits(max_batch_size=4, max_wait_s=0.0, max_queue=8),
+        load=lambda: fake,
+    )
+    sock = server.bind("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    thread = threading.Thread(target=running.server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 30
+        while health(port) != 200:
+            assert time.monotonic() < deadline, "the stand-in server did not start"
+            time.sleep(0.05)
+        yield port, fake, running
+    finally:
+        running.server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def limited():
+    with running_server() as started:
+        yield started
+
+
+def connect(port: int) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    return sock
+
+
+def answer(sock: socket.socket) -> tuple[int, dict, float]:
+    """(status, JSON body, seconds waited) of the one answer the server sends, then closes."""
+    start = time.monotonic()
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status = int(head.split(b" ")[1])
+    assert b"content-type: application/json" in head.lower(), head
+    return status, json.loads(body), time.monotonic() - start
+
+
+def timed(call, *args):
+    start = time.monotonic()
+    result = call(*args)
+    return result, time.monotonic() - start
+
+
+def test_idle_and_slow_clients_past_the_budget_lock_out_neither_health_nor_predict():
+    """Idle sockets, slowloris heads and slow bodies, many times --max_connections, timeouts
+    long: the longest-waiting are closed to make room, and /health and /v1/predict answer."""
+    patient = dataclasses.replace(LIMITS, header_timeout_s=60, body_timeout_s=60)
+    with running_server(limits=patient) as (port, _, _):
+        _lock_out(port)
+
+
+def _lock_out(port: int) -> None:
+    held = []
+    try:
+        for i in range(240):
+            sock = connect(port)
+            if i % 3 == 1:  # slowloris: a head begun, never ended
+                sock.sendall(b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nX-Slow: ")
+            elif i % 3 == 2:  # a slow body: 1000 bytes promised, 10 sent
+                sock.sendall(
+                    b"POST /v1/predict HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                    b"\r\nContent-Length: 1000\r\n\r\n" + b'{"instance'
+                )
+            held.append(sock)
+        for _ in range(3):
+            status, seconds = timed(health, port)
+            assert status == 200 and seconds < ANSWER_WITHIN_S, (status, seconds)
+            answered, seconds = timed(predict, port, ["hello"])
+            assert answered["predictions"] == ["HELLO t=0.0"] and seconds < ANSWER_WITHIN_S
+            time.sleep(0.3)
+        # All but the newest were closed, with no answer: their reads end at once.
+        for sock in held[: len(held) - MAX_CONNECTIONS]:
+            sock.settimeout(ANSWER_WITHIN_S)
+            assert sock.recv(1) == b""
+        for sock in held[len(held) - MAX_CONNECTIONS // 2 :]:  # the newest still wait
+            sock.settimeout(0.05)
+            with pytest.raises(TimeoutError):
+                sock.recv(1)
+    finally:
+        for sock in held:
+            sock.close()
+
+
+def test_a_slow_head_or_body_is_a_408_and_an_idle_connection_is_closed(limited):
+    port, _, _ = limited
+    with connect(port) as slow_head, connect(port) as slow_body, connect(port) as idle:
+        slow_head.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        slow_body.sendall(
+            b"POST /v1/predict HTTP/1.1\r\nContent-Length: 100\r\n\r\n" + b'{"instances": ['
+        )
+        for sock, part in ((slow_head, "headers"), (slow_body, "body")):
+            status, content, seconds = answer(sock)
+            assert status == 408 and f"request's {part} took over 1 s" in content["error"]
+            assert seconds < 1 + ANSWER_WITHIN_S
+        start = time.monotonic()
+        assert idle.recv(1) == b""  # closed, with no answer to a request never sent
+        assert time.monotonic() - start < 1 + ANSWER_WITHIN_S
+    with connect(port) as kept_alive:  # an answer, then idle: closed after the keep-alive time
+        kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"200 OK" in kept_alive.recv(65536)
+        start = time.monotonic()
+        assert kept_alive.recv(1) == b""
+        assert 0.5 < time.monotonic() - start < 1 + ANSWER_WITHIN_S
+
+
+def test_a_large_head_is_a_431_before_it_ends_and_too_many_headers_too(limited):
+    port, _, _ = limited
+    with connect(port) as one_large:
+        one_large.sendall(b"GET /health HTTP/1.1\r\nX-Large: " + b"a" * 1_000_000 + b"\r\n\r\n")
+        status, content, _ = answer(one_large)
+        assert status == 431 and "over 4096 bytes" in content["error"]
+    with connect(port) as unfinished:  # a megabyte of a header that never ends
+        unfinished.sendall(b"GET /health HTTP/1.1\r\nX-Held: ")
+        with contextlib.suppress(OSError):  # the server may close while this still sends
+            for _ in range(16):
+                unfinished.sendall(b"h" * 65536)
+        status, content, _ = answer(unfinished)
+        assert status == 431 and "over 4096 bytes" in content["error"]
+    with connect(port) as many:
+        many.sendall(b"GET /health HTTP/1.1\r\n" + b"X-A: 1\r\n" * 30 + b"\r\n")
+        status, content, _ = answer(many)
+        assert status == 431 and "over 20 headers" in content["error"]
+    assert health(port) == 200
+
+
+def test_malformed_http_is_a_400_in_json(limited):
+    port, _, _ = limited
+    with connect(port) as sock:
+        sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        status, content, _ = answer(sock)
+        assert status == 400 and "not an HTTP/1.1 request" in content["error"]
+
+
+# --- the command's flags -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--header_timeout=0"], "--header_timeout=0.0 must be above 0 seconds"),
+        (["--max_header_bytes=0"], "--max_header_bytes = 0 must be a whole number >= 1"),
+    ],
+)
+def test_bad_limits_are_one_line_exit_2(flags, message):
+    run = t5tpu("serve", *flags, timeout=60)
+    assert run.returncode == 2, run.stderr
+    (line,) = run.stderr.strip().splitlines()
+    assert line.startswith("t5tpu: error: ") and message in line
