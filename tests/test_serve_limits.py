@@ -4,21 +4,29 @@ set small.
 
 Idle sockets and slowloris senders past --max_connections cannot lock out /health or
 /v1/predict; a slow head or body is a 408; a large head a 431 while it is still unfinished;
-malformed HTTP is a JSON 400. Bounded: a few hundred sockets, every wait a few seconds.
+malformed HTTP is a JSON 400; shutdown past --shutdown_timeout answers 503 JSON with no
+traceback, and a second signal exits at once (in a subprocess: signals go to its main thread).
+Bounded: a few hundred sockets, every wait a few seconds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
+import os
+import pathlib
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
-from cli_runs import t5tpu
-from test_serve import StandInEngine, health, predict
+from cli_runs import ROOT, t5tpu
+from test_serve import StandInEngine, health, predict, request
 
 from t5tpu.serve import app, batcher, server
 from t5tpu.serve.connections import ConnectionLimits
@@ -183,6 +191,88 @@ def test_malformed_http_is_a_400_in_json(limited):
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         status, content, _ = answer(sock)
         assert status == 400 and "not an HTTP/1.1 request" in content["error"]
+
+
+# --- shutdown, in a subprocess: signals go to its main thread ----------------------------------
+
+# The stand-in server of test_serve, its model call held until the end: every request stays in
+# flight until the shutdown's drain time is spent.
+SHUTDOWN_SCRIPT = """
+import sys
+from test_serve import StandInEngine
+from t5tpu.serve import app, batcher, server
+
+fake = StandInEngine()
+fake.gate.clear()
+sock = server.bind("127.0.0.1", 0)
+sys.exit(server.serve(
+    sock=sock,
+    options=server.ServerOptions(
+        max_connections=16, shutdown_timeout_s=float(sys.argv[1]), warm_up=False,
+        log_requests=False,
+    ),
+    http=app.HttpOptions(max_instances=8, max_body_bytes=4096, truncation="warn", max_queue=8),
+    batching=batcher.BatchLimits(max_batch_size=4, max_wait_s=0.0, max_queue=8),
+    load=lambda: fake,
+))
+"""
+
+
+def _held_requests(shutdown_timeout: float, signals: int, log):
+    """Starts the script, four requests held in flight, then `signals` SIGTERMs half a second
+    apart: (the requests' answers, the exit code, seconds from the first signal to the exit)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.path.join(ROOT, "tests")])}
+    command = [sys.executable, "-c", SHUTDOWN_SCRIPT, str(shutdown_timeout)]
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        port = _port_of(log.name, process)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            held = [pool.submit(request, port, "POST", "/v1/predict", {"instances": ["x"]})]
+            held += [pool.submit(request, port, "POST", "/v1/score", _SCORE) for _ in range(3)]
+            time.sleep(1.0)  # all four in flight, the first in the held model call
+            start = time.monotonic()
+            for _ in range(signals):
+                process.send_signal(signal.SIGTERM)
+                time.sleep(0.5)
+            answers = [future.result() for future in held]
+            code = process.wait(timeout=30)
+        return answers, code, time.monotonic() - start
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
+_SCORE = {"instances": [{"input": "a", "target": "b"}]}
+
+
+def _port_of(log: str, process) -> int:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        with open(log) as f:
+            for line in f:
+                if "listening on http://127.0.0.1:" in line:
+                    port = int(line.split("127.0.0.1:")[1].split(";")[0])
+                    if health(port) == 200:
+                        return port
+        time.sleep(0.1)
+    raise AssertionError(f"the shutdown script did not start:\n{pathlib.Path(log).read_text()}")
+
+
+@pytest.mark.parametrize(
+    "shutdown_timeout, signals, exits_within_s",
+    [(1.0, 1, 1.0 + ANSWER_WITHIN_S + 1), (60.0, 2, 0.5 + ANSWER_WITHIN_S)],
+    ids=["past the drain timeout", "a second signal"],
+)
+def test_shutdown_answers_the_requests_in_flight_503_in_json_with_no_traceback(
+    tmp_path, shutdown_timeout, signals, exits_within_s
+):
+    with open(tmp_path / "log", "w") as log:
+        answers, code, seconds = _held_requests(shutdown_timeout, signals, log)
+    output = (tmp_path / "log").read_text()
+    for status, _, content in answers:
+        assert status == 503 and "shutting down" in content["error"], content
+    assert code == 0 and seconds < exits_within_s, (code, seconds, output)
+    assert "Traceback" not in output and "Internal Server Error" not in output, output
 
 
 # --- the command's flags -------------------------------------------------------------------------

@@ -47,7 +47,7 @@ Requests that arrive within --max_wait_ms of each other with the same decoding s
 decoded in one batch of up to --max_batch_size rows, padded to a few compiled shapes; a row is \
 answered when it ends and later requests take its place in the running batch. At most \
 --max_queue rows wait; beyond that a request gets 503 with Retry-After. SIGTERM stops taking \
-connections, finishes the requests in flight and exits 0.
+connections, finishes the requests in flight and exits 0; a second one cuts them short (503).
 
 Slow or idle clients are timed out and, past --max_connections, the one idle longest is \
 closed, so /health answers whatever they hold.
