@@ -4,9 +4,9 @@ set small.
 
 Idle sockets and slowloris senders past --max_connections cannot lock out /health or
 /v1/predict; a slow head or body is a 408; a large head a 431 while it is still unfinished;
-malformed HTTP is a JSON 400; shutdown past --shutdown_timeout answers 503 JSON with no
-traceback, and a second signal exits at once (in a subprocess: signals go to its main thread).
-Bounded: a few hundred sockets, every wait a few seconds.
+malformed HTTP and a lone surrogate are JSON 400s; shutdown past --shutdown_timeout answers
+503 JSON with no traceback, and a second signal exits at once (in a subprocess: signals go to
+its main thread). Bounded: a few hundred sockets, every wait a few seconds.
 """
 
 from __future__ import annotations
@@ -191,6 +191,28 @@ def test_malformed_http_is_a_400_in_json(limited):
         sock.sendall(b"NOT HTTP AT ALL\r\n\r\n")
         status, content, _ = answer(sock)
         assert status == 400 and "not an HTTP/1.1 request" in content["error"]
+
+
+@pytest.mark.parametrize(
+    "path, instance",
+    [
+        ("/v1/predict", "a \ud800 b"),
+        ("/v1/predict", "\udc00"),
+        ("/v1/score", {"input": "a", "target": "\ud83d"}),
+        ("/v1/is_duplicate", {"question1": "\udfff", "question2": "b"}),
+    ],
+)
+def test_a_lone_surrogate_is_a_400_in_one_line_and_a_pair_is_served(limited, capfd, path, instance):
+    port, _, _ = limited
+    capfd.readouterr()
+    body = json.dumps({"instances": [instance]}).encode()  # ensure_ascii: \ud800 escapes
+    status, _, content = request(port, "POST", path, body)
+    assert status == 400 and "lone surrogate" in content["error"], content
+    assert "Traceback" not in "".join(capfd.readouterr())
+    # The pair U+1F600 and an escaped backslash before "ud800" are text.
+    paired = json.dumps({"instances": ["smile \U0001f600 \\ud800"]}).encode()
+    status, _, content = request(port, "POST", "/v1/predict", paired)
+    assert status == 200 and content["predictions"] == ["SMILE \U0001f600 \\UD800 t=0.0"]
 
 
 # --- shutdown, in a subprocess: signals go to its main thread ----------------------------------
