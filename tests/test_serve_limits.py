@@ -1,12 +1,12 @@
-"""`t5tpu serve`'s limits against clients that are slow, idle or oversized: a real uvicorn
-server on 127.0.0.1 with test_serve's stand-in engine (no jax in the server, quick), timeouts
-set small.
+"""`t5tpu serve`'s limits against clients that are slow, idle, oversized or shut out: a real
+uvicorn server on 127.0.0.1 with test_serve's stand-in engine (no jax in the server, quick),
+timeouts set small; in a subprocess where signals are the point.
 
 Idle sockets and slowloris senders past --max_connections cannot lock out /health or
 /v1/predict; a slow head or body is a 408; a large head a 431 while it is still unfinished;
-malformed HTTP and a lone surrogate are JSON 400s; shutdown past --shutdown_timeout answers
-503 JSON with no traceback, and a second signal exits at once (in a subprocess: signals go to
-its main thread). Bounded: a few hundred sockets, every wait a few seconds.
+malformed HTTP, a wrong key, a non-JSON Content-Type and a lone surrogate are JSON errors;
+shutdown past --shutdown_timeout answers 503 JSON with no traceback, and a second signal exits
+at once. Bounded: a few hundred sockets, every wait a few seconds.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import pathlib
@@ -28,6 +29,8 @@ import pytest
 from cli_runs import ROOT, t5tpu
 from test_serve import StandInEngine, health, predict, request
 
+from t5tpu.cli import serve as serve_cli
+from t5tpu.errors import UserError
 from t5tpu.serve import app, batcher, server
 from t5tpu.serve.connections import ConnectionLimits
 
@@ -39,12 +42,13 @@ LIMITS = ConnectionLimits(
     max_headers=20,
 )
 MAX_CONNECTIONS = 16
+KEY = "s3cret-key"
 # Generous for a loaded 2-core machine: the done-when's 1 s is measured by hand.
 ANSWER_WITHIN_S = 3.0
 
 
 @contextlib.contextmanager
-def running_server(limits=LIMITS):
+def running_server(api_key=None, limits=LIMITS):
     """(port, engine, running) of a stand-in server in this process, stopped after."""
     fake = StandInEngine()
     running = server.build(
@@ -54,6 +58,7 @@ def running_server(limits=LIMITS):
             warm_up=False,
             log_requests=False,
             limits=limits,
+            api_key=api_key,
         ),
         http=app.HttpOptions(max_instances=8, max_body_bytes=4096, truncation="warn", max_queue=8),
         batching=batcher.BatchLimits(max_batch_size=4, max_wait_s=0.0, max_queue=8),
@@ -215,6 +220,55 @@ def test_a_lone_surrogate_is_a_400_in_one_line_and_a_pair_is_served(limited, cap
     assert status == 200 and content["predictions"] == ["SMILE \U0001f600 \\UD800 t=0.0"]
 
 
+def test_a_body_that_is_not_json_is_a_415_and_json_with_a_charset_is_served(limited):
+    port, _, _ = limited
+
+    def post(content_type):
+        with connect(port) as sock:
+            body = b'{"instances": ["hi"]}'
+            header = b"" if content_type is None else b"Content-Type: " + content_type + b"\r\n"
+            sock.sendall(
+                b"POST /v1/predict HTTP/1.1\r\nConnection: close\r\n"
+                + header
+                + b"Content-Length: %d\r\n\r\n" % len(body)
+                + body
+            )
+            return answer(sock)[:2]
+
+    status, content = post(b"application/x-www-form-urlencoded")
+    assert status == 415 and "Content-Type: application/json" in content["error"]
+    for accepted in (b"application/json; charset=utf-8", b"application/vnd.api+json", None):
+        assert post(accepted) == (200, {"predictions": ["HI t=0.0"]}), accepted
+
+
+def test_an_api_key_is_asked_of_every_route_but_health():
+    with running_server(api_key=KEY) as (port, _, _):
+        assert health(port) == 200
+        status, _, content = request(port, "GET", "/metrics")
+        assert status == 401 and "API key" in content["error"]
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            status, answered, content = _post(port, headers)
+            assert status == 401 and "Authorization: Bearer" in content["error"]
+            assert answered["www-authenticate"] == "Bearer"
+        status, _, content = _post(port, {"Authorization": f"Bearer {KEY}"})
+        assert status == 200 and content == {"predictions": ["HI t=0.0"]}
+
+
+def _post(port: int, headers: dict):
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        connection.request(
+            "POST",
+            "/v1/predict",
+            body=b'{"instances": ["hi"]}',
+            headers={"Content-Type": "application/json", **headers},
+        )
+        response = connection.getresponse()
+        return response.status, dict(response.getheaders()), json.loads(response.read())
+    finally:
+        connection.close()
+
+
 # --- shutdown, in a subprocess: signals go to its main thread ----------------------------------
 
 # The stand-in server of test_serve, its model call held until the end: every request stays in
@@ -222,6 +276,8 @@ def test_a_lone_surrogate_is_a_400_in_one_line_and_a_pair_is_served(limited, cap
 SHUTDOWN_SCRIPT = """
 import sys
 from test_serve import StandInEngine
+from t5tpu.cli import serve as serve_cli
+from t5tpu.errors import UserError
 from t5tpu.serve import app, batcher, server
 
 fake = StandInEngine()
@@ -300,14 +356,37 @@ def test_shutdown_answers_the_requests_in_flight_503_in_json_with_no_traceback(
 # --- the command's flags -------------------------------------------------------------------------
 
 
+def test_listening_beyond_loopback_without_a_key_is_a_warning(tmp_path):
+    """The warning comes as the port is bound, before the model (here: none) is loaded."""
+    env = {k: v for k, v in os.environ.items() if k not in ("AIP_HTTP_PORT", "T5TPU_API_KEY")}
+    missing = f"--model={tmp_path / 'nowhere'}"
+    run = t5tpu("serve", "--host=0.0.0.0", "--port=0", missing, env=env, timeout=120)
+    assert "warning: listening on 0.0.0.0 with no API key" in run.stdout, run.stdout
+    run = t5tpu("serve", "--host=0.0.0.0", "--port=0", missing, env={**env, "T5TPU_API_KEY": KEY})
+    assert run.returncode == 2 and "warning" not in run.stdout, run.stdout
+
+
+def test_the_key_comes_from_its_file_else_the_environment(tmp_path):
+    key_file = tmp_path / "key"
+    key_file.write_text(f"{KEY}\n")
+    from_file = serve_cli.parse_args([f"--api_key_file={key_file}"], {"T5TPU_API_KEY": "other"})
+    assert from_file.api_key == KEY
+    assert serve_cli.parse_args([], {"T5TPU_API_KEY": KEY}).api_key == KEY
+    assert serve_cli.parse_args([], {}).api_key is None
+    key_file.write_text("\n")
+    with pytest.raises(UserError, match="must hold a key"):
+        serve_cli.parse_args([f"--api_key_file={key_file}"], {})
+
+
 @pytest.mark.parametrize(
     "flags, message",
     [
         (["--header_timeout=0"], "--header_timeout=0.0 must be above 0 seconds"),
         (["--max_header_bytes=0"], "--max_header_bytes = 0 must be a whole number >= 1"),
+        (["--api_key_file=/no/such/file"], "cannot read --api_key_file=/no/such/file"),
     ],
 )
-def test_bad_limits_are_one_line_exit_2(flags, message):
+def test_bad_limits_and_keys_are_one_line_exit_2(flags, message):
     run = t5tpu("serve", *flags, timeout=60)
     assert run.returncode == 2, run.stderr
     (line,) = run.stderr.strip().splitlines()

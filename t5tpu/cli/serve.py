@@ -9,6 +9,7 @@ payloads and measurements.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
 from t5tpu import validators
@@ -25,6 +26,7 @@ EXAMPLE = (
 # Vertex AI's prediction containers are told their port and routes, and where the model is.
 PORT_VARIABLE = "AIP_HTTP_PORT"
 ROUTE_VARIABLES = {"predict": "AIP_PREDICT_ROUTE", "health": "AIP_HEALTH_ROUTE"}
+API_KEY_VARIABLE = "T5TPU_API_KEY"
 DEFAULT_PORT = 8080
 _DESCRIPTION = """\
 Serve a model over HTTP: POST /v1/predict ({"instances": ["..."], "parameters": {"num_beams", \
@@ -49,8 +51,9 @@ answered when it ends and later requests take its place in the running batch. At
 --max_queue rows wait; beyond that a request gets 503 with Retry-After. SIGTERM stops taking \
 connections, finishes the requests in flight and exits 0; a second one cuts them short (503).
 
-Slow or idle clients are timed out and, past --max_connections, the one idle longest is \
-closed, so /health answers whatever they hold.
+With --api_key_file (or $T5TPU_API_KEY) every route but /health asks for the header \
+Authorization: Bearer KEY. Slow or idle clients are timed out and, past --max_connections, the \
+one idle longest is closed, so /health answers whatever they hold.
 
 As a Vertex AI container (the image's entrypoint serves when AIP_HTTP_PORT is set), the port \
 is AIP_HTTP_PORT and AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE answer too."""
@@ -98,6 +101,11 @@ def parser() -> ToolParser:
     p.add_argument("--max_header_bytes", type=int, default=limits.max_header_bytes, help="then 431")
     p.add_argument("--max_headers", type=int, default=limits.max_headers, help="then 431")
     p.add_argument(
+        "--api_key_file",
+        metavar="PATH",
+        help=f"a file holding the key every route but /health asks for (or ${API_KEY_VARIABLE})",
+    )
+    p.add_argument(
         "--no_warmup",
         action="store_true",
         help="report ready once loaded; compile each program on its first use",
@@ -141,7 +149,37 @@ def parse_args(argv: list[str], environ: dict | None = None) -> argparse.Namespa
     args.predict_routes = sorted({"/v1/predict", routes["predict"] or "/v1/predict"})
     args.health_routes = sorted({"/health", routes["health"] or "/health"})
     _check(args)
+    args.api_key = _api_key(args.api_key_file, environ)
     return args
+
+
+def _api_key(path: str | None, environ) -> str | None:
+    """The key in --api_key_file (its surrounding whitespace dropped), else $T5TPU_API_KEY."""
+    if path is None:
+        key = environ.get(API_KEY_VARIABLE)
+        where = f"${API_KEY_VARIABLE}"
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --api_key_file={path}: {e}") from None
+        where = f"--api_key_file={path}"
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or not key.isascii() or not key.isprintable():
+        raise UserError(f"{where} must hold a key: printable ASCII, with no whitespace around it")
+    return key
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: where it points is not known here
 
 
 def run(args: argparse.Namespace) -> int:
@@ -152,6 +190,12 @@ def run(args: argparse.Namespace) -> int:
 
     # The port first: a port in use is one line before anything is read.
     sock = server.bind(args.host, args.port)
+    # Vertex AI's endpoint authenticates its callers: a prediction container needs no key.
+    if args.api_key is None and not _loopback(args.host) and PORT_VARIABLE not in os.environ:
+        server.say(
+            f"warning: listening on {args.host} with no API key: anyone who reaches port "
+            f"{sock.getsockname()[1]} can use the model; set --api_key_file or ${API_KEY_VARIABLE}"
+        )
     setup = model_setup.model_setup(
         gin_flags=model_setup.GinFlags(
             files=tuple(args.gin_file),
@@ -179,6 +223,7 @@ def run(args: argparse.Namespace) -> int:
                 max_header_bytes=args.max_header_bytes,
                 max_headers=args.max_headers,
             ),
+            api_key=args.api_key,
         ),
         http=app.HttpOptions(
             max_instances=args.max_instances,

@@ -40,6 +40,7 @@ class ServerOptions:
     warm_up: bool
     log_requests: bool
     limits: ConnectionLimits = ConnectionLimits()
+    api_key: str | None = None
 
 
 def say(message: str) -> None:
@@ -174,6 +175,7 @@ def build(
         batcher.stop()
 
     guard = GuardOptions(
+        api_key=options.api_key,
         max_in_flight=options.max_connections,
         open_paths=frozenset(http.health_routes),
     )
