@@ -173,6 +173,10 @@ class LimitedHttpProtocol(HttpToolsProtocol):
             self.head_bytes += len(data)  # httptools holds a header until its end: count reads
             if self.head_bytes > self.limits.max_header_bytes:
                 self._refuse(431, self._too_large())
+        elif not self.in_head and self.deadline is None:
+            # The head has come and the body has not, all of it: armed here, after the read,
+            # not at the head's end, so a request whole in one read arms no timer for it.
+            self._arm(self.limits.body_timeout_s)
 
     def _too_large(self) -> str:
         return (
@@ -207,7 +211,7 @@ class LimitedHttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self.in_head, self.heads = False, self.heads + 1
-        self._arm(self.limits.body_timeout_s)
+        self._disarm()
         super().on_headers_complete()
 
     def on_message_complete(self) -> None:
