@@ -60,8 +60,6 @@ is AIP_HTTP_PORT and AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE answer too."""
 
 
 def parser() -> ToolParser:
-    from t5tpu.serve.connections import ConnectionLimits  # uvicorn's parser, jax not
-
     p = ToolParser(prog=f"t5tpu {NAME}", description=_DESCRIPTION, example=EXAMPLE)
     p.add_gin_flags(gin_file_help="gin file(s)")
     p.add_argument("--model", metavar="PATH", help="the model, when not MODEL_DIR")
@@ -92,14 +90,7 @@ def parser() -> ToolParser:
         help="open (then the longest idle is closed) and in flight (then 503)",
     )
     p.add_argument("--shutdown_timeout", type=float, default=30.0, help="seconds, after SIGTERM")
-    limits = ConnectionLimits()
-    seconds = {"header_timeout": "a request's head", "body_timeout": "its body after the head"}
-    seconds["keep_alive_timeout"] = "idle between requests"
-    for name, what in seconds.items():
-        default = getattr(limits, f"{name}_s")
-        p.add_argument(f"--{name}", type=float, default=default, help=f"seconds for {what}; 408")
-    p.add_argument("--max_header_bytes", type=int, default=limits.max_header_bytes, help="then 431")
-    p.add_argument("--max_headers", type=int, default=limits.max_headers, help="then 431")
+    _add_connection_limits(p)
     p.add_argument(
         "--api_key_file",
         metavar="PATH",
@@ -112,6 +103,28 @@ def parser() -> ToolParser:
     )
     p.add_argument("--log_requests", action="store_true", help="print a line per request")
     return p
+
+
+def _add_connection_limits(p: ToolParser) -> None:
+    """The flags of connections.py's limits, their defaults its own."""
+    from t5tpu.serve.connections import ConnectionLimits  # uvicorn's parser, jax not
+
+    limits = ConnectionLimits()
+    for name, what in (
+        ("header_timeout", "seconds for a request's head; then 408"),
+        ("body_timeout", "seconds for its body, after the head; then 408"),
+        ("keep_alive_timeout", "seconds idle between requests; then closed"),
+    ):
+        p.add_argument(f"--{name}", type=float, default=getattr(limits, f"{name}_s"), help=what)
+    p.add_argument(
+        "--max_header_bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="a request's head (URL, headers); then 431",
+    )
+    p.add_argument(
+        "--max_headers", type=int, default=limits.max_headers, help="headers a request; then 431"
+    )
 
 
 def _check(args: argparse.Namespace) -> None:
