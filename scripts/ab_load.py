@@ -107,7 +107,9 @@ def main(argv=None) -> None:
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as body:
             json.dump(BODY, body)
         request = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/predict", data=json.dumps(BODY).encode()
+            f"http://127.0.0.1:{port}/v1/predict",
+            data=json.dumps(BODY).encode(),
+            headers={"Content-Type": "application/json"},  # urllib's own default is a form's
         )
         urllib.request.urlopen(request, timeout=60).read()
         _, before = _get(port, "/metrics")

@@ -9,6 +9,7 @@ payloads and measurements.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 
 from t5tpu import validators
@@ -25,6 +26,7 @@ EXAMPLE = (
 # Vertex AI's prediction containers are told their port and routes, and where the model is.
 PORT_VARIABLE = "AIP_HTTP_PORT"
 ROUTE_VARIABLES = {"predict": "AIP_PREDICT_ROUTE", "health": "AIP_HEALTH_ROUTE"}
+API_KEY_VARIABLE = "T5TPU_API_KEY"
 DEFAULT_PORT = 8080
 _DESCRIPTION = """\
 Serve a model over HTTP: POST /v1/predict ({"instances": ["..."], "parameters": {"num_beams", \
@@ -47,7 +49,11 @@ Requests that arrive within --max_wait_ms of each other with the same decoding s
 decoded in one batch of up to --max_batch_size rows, padded to a few compiled shapes; a row is \
 answered when it ends and later requests take its place in the running batch. At most \
 --max_queue rows wait; beyond that a request gets 503 with Retry-After. SIGTERM stops taking \
-connections, finishes the requests in flight and exits 0.
+connections, finishes the requests in flight and exits 0; a second one cuts them short (503).
+
+With --api_key_file (or $T5TPU_API_KEY) every route but /health asks for the header \
+Authorization: Bearer KEY. Slow or idle clients are timed out and, past --max_connections, the \
+one idle longest is closed, so /health answers whatever they hold.
 
 As a Vertex AI container (the image's entrypoint serves when AIP_HTTP_PORT is set), the port \
 is AIP_HTTP_PORT and AIP_PREDICT_ROUTE and AIP_HEALTH_ROUTE answer too."""
@@ -77,8 +83,19 @@ def parser() -> ToolParser:
     p.add_argument("--max_queue", type=int, default=512, help="rows waiting; then 503")
     p.add_argument("--max_instances", type=int, default=128, help="instances per request")
     p.add_argument("--max_body_bytes", type=int, default=1_572_864, help="then 413")
-    p.add_argument("--max_connections", type=int, default=256, help="open at once; then 503")
+    p.add_argument(
+        "--max_connections",
+        type=int,
+        default=256,
+        help="open (then the longest idle is closed) and in flight (then 503)",
+    )
     p.add_argument("--shutdown_timeout", type=float, default=30.0, help="seconds, after SIGTERM")
+    _add_connection_limits(p)
+    p.add_argument(
+        "--api_key_file",
+        metavar="PATH",
+        help=f"a file holding the key every route but /health asks for (or ${API_KEY_VARIABLE})",
+    )
     p.add_argument(
         "--no_warmup",
         action="store_true",
@@ -88,9 +105,35 @@ def parser() -> ToolParser:
     return p
 
 
+def _add_connection_limits(p: ToolParser) -> None:
+    """The flags of connections.py's limits, their defaults its own."""
+    from t5tpu.serve.connections import ConnectionLimits  # uvicorn's parser, jax not
+
+    limits = ConnectionLimits()
+    for name, what in (
+        ("header_timeout", "seconds for a request's head; then 408"),
+        ("body_timeout", "seconds for its body, after the head; then 408"),
+        ("keep_alive_timeout", "seconds idle between requests; then closed"),
+    ):
+        p.add_argument(f"--{name}", type=float, default=getattr(limits, f"{name}_s"), help=what)
+    p.add_argument(
+        "--max_header_bytes",
+        type=int,
+        default=limits.max_header_bytes,
+        help="a request's head (URL, headers); then 431",
+    )
+    p.add_argument(
+        "--max_headers", type=int, default=limits.max_headers, help="headers a request; then 431"
+    )
+
+
 def _check(args: argparse.Namespace) -> None:
-    for name in ("max_batch_size", "max_queue", "max_instances", "max_body_bytes"):
+    wholes = ("max_batch_size", "max_queue", "max_instances", "max_body_bytes")
+    for name in (*wholes, "max_header_bytes", "max_headers"):
         validators.whole(low=1).check(f"--{name}", getattr(args, name))
+    for name in ("header_timeout", "body_timeout", "keep_alive_timeout"):
+        if not getattr(args, name) > 0:
+            raise UserError(f"--{name}={getattr(args, name)} must be above 0 seconds")
     for name in ("max_connections", "max_input_length", "max_target_length"):
         validators.optional(validators.whole(low=1)).check(f"--{name}", getattr(args, name))
     if not 0 <= args.port <= 65535:
@@ -119,16 +162,53 @@ def parse_args(argv: list[str], environ: dict | None = None) -> argparse.Namespa
     args.predict_routes = sorted({"/v1/predict", routes["predict"] or "/v1/predict"})
     args.health_routes = sorted({"/health", routes["health"] or "/health"})
     _check(args)
+    args.api_key = _api_key(args.api_key_file, environ)
     return args
+
+
+def _api_key(path: str | None, environ) -> str | None:
+    """The key in --api_key_file (its surrounding whitespace dropped), else $T5TPU_API_KEY."""
+    if path is None:
+        key = environ.get(API_KEY_VARIABLE)
+        where = f"${API_KEY_VARIABLE}"
+    else:
+        try:
+            with open(path, encoding="utf-8") as f:
+                key = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --api_key_file={path}: {e}") from None
+        where = f"--api_key_file={path}"
+    if key is None:
+        return None
+    key = key.strip()
+    if not key or not key.isascii() or not key.isprintable():
+        raise UserError(f"{where} must hold a key: printable ASCII, with no whitespace around it")
+    return key
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: where it points is not known here
 
 
 def run(args: argparse.Namespace) -> int:
     import functools
 
     from t5tpu.serve import app, batcher, model_setup, server
+    from t5tpu.serve.connections import ConnectionLimits
 
     # The port first: a port in use is one line before anything is read.
     sock = server.bind(args.host, args.port)
+    # Vertex AI's endpoint authenticates its callers: a prediction container needs no key.
+    if args.api_key is None and not _loopback(args.host) and PORT_VARIABLE not in os.environ:
+        server.say(
+            f"warning: listening on {args.host} with no API key: anyone who reaches port "
+            f"{sock.getsockname()[1]} can use the model; set --api_key_file or ${API_KEY_VARIABLE}"
+        )
     setup = model_setup.model_setup(
         gin_flags=model_setup.GinFlags(
             files=tuple(args.gin_file),
@@ -149,6 +229,14 @@ def run(args: argparse.Namespace) -> int:
             shutdown_timeout_s=args.shutdown_timeout,
             warm_up=not args.no_warmup,
             log_requests=args.log_requests,
+            limits=ConnectionLimits(
+                header_timeout_s=args.header_timeout,
+                body_timeout_s=args.body_timeout,
+                keep_alive_timeout_s=args.keep_alive_timeout,
+                max_header_bytes=args.max_header_bytes,
+                max_headers=args.max_headers,
+            ),
+            api_key=args.api_key,
         ),
         http=app.HttpOptions(
             max_instances=args.max_instances,

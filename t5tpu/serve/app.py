@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import re
 import traceback
 
 from starlette.applications import Starlette
@@ -42,6 +44,7 @@ from t5tpu.errors import one_line_message
 from t5tpu.model.engine import Row
 from t5tpu.serve import payloads, streams
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
+from t5tpu.serve.http_guard import Guard, GuardOptions
 from t5tpu.serve.model_worker import Group, ModelWorker, ScoreRow
 from t5tpu.serve.payloads import Decoding, PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
@@ -270,7 +273,45 @@ class Service:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        return b"".join(chunks)
+        body = b"".join(chunks)
+        if _lone_surrogate(body):
+            raise PayloadError(
+                "the body's JSON has a lone surrogate escape (such as \\ud800 alone), which no "
+                "Unicode text holds; send text, or a surrogate pair for a character beyond U+FFFF"
+            )
+        return body
+
+
+# A JSON escape: \uXXXX (its four digits captured) or a backslash and any one character, so an
+# escaped backslash is never read as the start of a \u escape.
+_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
+
+
+def _lone_surrogate(body: bytes) -> bool:
+    """Whether a \\u escape in `body` is a UTF-16 surrogate not in a pair: Python's json takes
+    it, as a string no encoder (the tokenizer's) can write. Only \\u escapes make one: a raw
+    surrogate is no valid UTF-8 (or UTF-16, UTF-32), which json refuses already."""
+    encoding = json.detect_encoding(body)  # json's own guess, UTF-16 and UTF-32 included
+    if encoding not in ("utf-8", "utf-8-sig"):
+        try:
+            body = body.decode(encoding).encode()
+        except UnicodeDecodeError:
+            return False  # json refuses it
+    if b"\\u" not in body:
+        return False
+    high_end = None  # where the escape of a high surrogate still unpaired ends
+    for escape in _ESCAPE.finditer(body):
+        unit = int(escape.group(1), 16) if escape.group(1) else None
+        low = unit is not None and 0xDC00 <= unit <= 0xDFFF
+        if high_end is not None:
+            if not (low and escape.start() == high_end):
+                return True
+            high_end = None
+        elif low:
+            return True
+        elif unit is not None and 0xD800 <= unit <= 0xDBFF:
+            high_end = escape.end()
+    return high_end is not None
 
 
 def _decode_rows(
@@ -359,6 +400,11 @@ async def _http_error(request: Request, error: HTTPException) -> Response:
     return _error(error.status_code, message, error.headers)
 
 
+async def _uncaught(request: Request, error: Exception) -> Response:
+    """A bug outside the routes' handlers (in a middleware): Starlette prints its traceback."""
+    return _error(500, f"internal error: {type(error).__name__}: {one_line_message(error)}")
+
+
 def routes(service: Service) -> dict[str, tuple[str, str, object]]:
     """path -> (route name for /metrics, method, handler). The tasks' routes come last, after
     the server's own paths: /v1/{name} is looked up in the tasks' list at request time."""
@@ -371,7 +417,8 @@ def routes(service: Service) -> dict[str, tuple[str, str, object]]:
     return table
 
 
-def build_app(*, service: Service, lifespan) -> Starlette:
+def build_app(*, service: Service, lifespan, guard: GuardOptions) -> Starlette:
+    """The routes, behind the guard's refusals (key, Content-Type, in flight), all counted."""
     table = routes(service)
     service.route_names.update({path: name for path, (name, _, _) in table.items()})
     return Starlette(
@@ -380,8 +427,9 @@ def build_app(*, service: Service, lifespan) -> Starlette:
             for path, (_, method, handler) in table.items()
         ],
         middleware=[
-            Middleware(MetricsMiddleware, metrics=service.metrics, route_names=service.route_names)
+            Middleware(MetricsMiddleware, metrics=service.metrics, route_names=service.route_names),
+            Middleware(Guard, options=guard),
         ],
-        exception_handlers={HTTPException: _http_error},
+        exception_handlers={HTTPException: _http_error, Exception: _uncaught},
         lifespan=lifespan,
     )

@@ -3,9 +3,11 @@ answers 503 meanwhile), answer, and on SIGTERM or Ctrl-C stop taking connections
 request in flight, and exit 0.
 
 uvicorn serves the app on a socket bound here, before anything is loaded, so a port in use is
-one line at start-up. The worker thread loads the model, compiles its programs, then runs the
-batcher until shutdown; jax is called from no other thread. If loading fails, the server stops
-and the command exits with the loading error's one line.
+one line at start-up; its connections are connections.py's (timeouts, head limits). A second
+SIGTERM or Ctrl-C cuts the drain short: the requests in flight get 503 and the process exits.
+The worker thread loads the model, compiles its programs, then runs the batcher until
+shutdown; jax is called from no other thread. If loading fails, the server stops and the
+command exits with the loading error's one line.
 """
 
 from __future__ import annotations
@@ -25,16 +27,20 @@ import uvicorn
 from t5tpu.errors import UserError
 from t5tpu.serve.app import HttpOptions, Service, build_app
 from t5tpu.serve.batcher import Batcher, BatchLimits
+from t5tpu.serve.connections import ConnectionLimits, protocol_class
+from t5tpu.serve.http_guard import GuardOptions
 from t5tpu.serve.model_worker import ModelWorker
 from t5tpu.serve.serve_metrics import ServeMetrics
 
 
 @dataclasses.dataclass(frozen=True)
 class ServerOptions:
-    max_connections: int  # beyond it uvicorn answers 503 at once, so memory stays bounded
+    max_connections: int  # open (then the longest idle goes) and in flight (then 503)
     shutdown_timeout_s: float  # in-flight requests get this long after SIGTERM
     warm_up: bool
     log_requests: bool
+    limits: ConnectionLimits = ConnectionLimits()
+    api_key: str | None = None
 
 
 def say(message: str) -> None:
@@ -114,11 +120,34 @@ def _noted_stop_signals() -> list[str]:
     return received
 
 
+class _Server(uvicorn.Server):
+    """uvicorn's server, a second SIGTERM ending the drain at once as a second Ctrl-C does,
+    and the first stop signal's time noted (what is left of the drain time after it)."""
+
+    stop_signalled: float | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.should_exit:
+            self.force_exit = True
+        elif self.stop_signalled is None:
+            self.stop_signalled = time.monotonic()
+        super().handle_exit(sig, frame)
+
+    async def shutdown(self, sockets=None) -> None:
+        await super().shutdown(sockets=sockets)
+        if self.force_exit:
+            # uvicorn leaves the requests in flight and the lifespan to asyncio's teardown,
+            # where a cancelled lifespan is a traceback: the requests get their 503 now.
+            for task in self.server_state.tasks:
+                task.cancel()
+            await self.lifespan.shutdown()
+
+
 @dataclasses.dataclass(frozen=True)
 class Running:
     """A server ready to run (`server.run(sockets=[sock])`) and what it is made of."""
 
-    server: uvicorn.Server
+    server: _Server
     worker: _Worker
     service: Service
 
@@ -145,13 +174,19 @@ def build(
         worker.stopping.set()
         batcher.stop()
 
-    server = uvicorn.Server(
+    guard = GuardOptions(
+        api_key=options.api_key,
+        max_in_flight=options.max_connections,
+        open_paths=frozenset(http.health_routes),
+    )
+    server = _Server(
         uvicorn.Config(
-            build_app(service=service, lifespan=lifespan),
+            build_app(service=service, lifespan=lifespan, guard=guard),
+            http=protocol_class(options.limits, options.max_connections),
             lifespan="on",
             log_level="info" if options.log_requests else "warning",
             access_log=options.log_requests,
-            limit_concurrency=options.max_connections,
+            timeout_keep_alive=options.limits.keep_alive_timeout_s,
             timeout_graceful_shutdown=options.shutdown_timeout_s,
         )
     )
@@ -175,8 +210,11 @@ def serve(
     say(f"listening on http://{host}:{port}; GET /health answers 503 until the model is ready")
     running.server.run(sockets=[sock])
     worker = running.worker
-    # The queue is empty now; the worker ends once its last batch (or compile) is done.
-    worker.thread.join(timeout=options.shutdown_timeout_s)
+    # A cut drain skips the lifespan's end; the queue is empty now either way, and the worker
+    # ends once its last batch (or compile) is done: waited for while drain time is left.
+    worker.stopping.set()
+    running.service.batcher.stop()
+    worker.thread.join(timeout=_time_left(running.server, options.shutdown_timeout_s))
     if worker.error is not None:
         raise worker.error
     if worker.thread.is_alive():
@@ -193,3 +231,13 @@ def serve(
     )
     say(f"stopped ({', '.join(received) or 'server exit'}) after {answered:.0f} requests")
     return 0
+
+
+def _time_left(server: _Server, drain_s: float) -> float:
+    """How long the worker's last model call is waited for: the drain time left (at least a
+    second), or a moment once a second signal has cut the drain."""
+    if server.force_exit:
+        return 0.2
+    if server.stop_signalled is None:  # stopped by a loading failure: the worker is done
+        return drain_s
+    return max(1.0, drain_s - (time.monotonic() - server.stop_signalled))
