@@ -4,6 +4,7 @@ numbers and its resident memory after the load (docs/SERVING.md and docs/PERFORM
     T5TPU_COMPILATION_CACHE=off .venv/bin/python scripts/ab_load.py \\
         --gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin --model_dir=/tmp/t5tpu_demo
     # one LoRA adapter served beside the base:  --adapter=qp=/tmp/qp_lora
+    # streamed answers (server-sent events):      --parameters='{"stream": true}'
 
 Starts the server on a free port of 127.0.0.1, times /health until 200, sends one request
 alone, then `ab -n REQUESTS -c CLIENTS` (apt's apache2-utils) with a one-question body, reads
@@ -37,6 +38,9 @@ def _parse(argv):
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--time_limit", type=int, default=300)
+    parser.add_argument(
+        "--parameters", type=json.loads, default={}, help="the body's, e.g. '{\"stream\": true}'"
+    )
     return parser.parse_args(argv)
 
 
@@ -105,10 +109,10 @@ def main(argv=None) -> None:
             time.sleep(0.1)
         ready_s = round(time.perf_counter() - start, 1)
         with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as body:
-            json.dump(BODY, body)
+            json.dump({**BODY, "parameters": args.parameters}, body)
         request = urllib.request.Request(
             f"http://127.0.0.1:{port}/v1/predict",
-            data=json.dumps(BODY).encode(),
+            data=json.dumps({**BODY, "parameters": args.parameters}).encode(),
             headers={"Content-Type": "application/json"},  # urllib's own default is a form's
         )
         urllib.request.urlopen(request, timeout=60).read()

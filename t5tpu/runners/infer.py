@@ -509,7 +509,7 @@ def _plan(texts: _Inputs, *, from_task: bool) -> str:
     else:
         shaped = shaping.describe(texts.recorded)
         if texts.recorded.changes_inputs:
-            shaped += " as the run's task did (INFER_EXACT_INPUTS=True takes them as given)"
+            shaped += " (INFER_EXACT_INPUTS=True takes them as given)"
     return (
         f"infer: inputs of up to {texts.input_length} tokens, {shaped}; outputs of up to "
         f"{texts.target_length}"
