@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
-import re
 import traceback
 
 from starlette.applications import Starlette
@@ -273,45 +271,7 @@ class Service:
             if size > limit:
                 raise too_large
             chunks.append(chunk)
-        body = b"".join(chunks)
-        if _lone_surrogate(body):
-            raise PayloadError(
-                "the body's JSON has a lone surrogate escape (such as \\ud800 alone), which no "
-                "Unicode text holds; send text, or a surrogate pair for a character beyond U+FFFF"
-            )
-        return body
-
-
-# A JSON escape: \uXXXX (its four digits captured) or a backslash and any one character, so an
-# escaped backslash is never read as the start of a \u escape.
-_ESCAPE = re.compile(rb"\\(?:u([0-9a-fA-F]{4})|.)", re.DOTALL)
-
-
-def _lone_surrogate(body: bytes) -> bool:
-    """Whether a \\u escape in `body` is a UTF-16 surrogate not in a pair: Python's json takes
-    it, as a string no encoder (the tokenizer's) can write. Only \\u escapes make one: a raw
-    surrogate is no valid UTF-8 (or UTF-16, UTF-32), which json refuses already."""
-    encoding = json.detect_encoding(body)  # json's own guess, UTF-16 and UTF-32 included
-    if encoding not in ("utf-8", "utf-8-sig"):
-        try:
-            body = body.decode(encoding).encode()
-        except UnicodeDecodeError:
-            return False  # json refuses it
-    if b"\\u" not in body:
-        return False
-    high_end = None  # where the escape of a high surrogate still unpaired ends
-    for escape in _ESCAPE.finditer(body):
-        unit = int(escape.group(1), 16) if escape.group(1) else None
-        low = unit is not None and 0xDC00 <= unit <= 0xDFFF
-        if high_end is not None:
-            if not (low and escape.start() == high_end):
-                return True
-            high_end = None
-        elif low:
-            return True
-        elif unit is not None and 0xD800 <= unit <= 0xDBFF:
-            high_end = escape.end()
-    return high_end is not None
+        return b"".join(chunks)
 
 
 def _decode_rows(

@@ -174,7 +174,20 @@ def _instances(payload: dict, limits: Limits) -> list:
 def _text(value, where: str) -> str:
     if not isinstance(value, str):
         raise PayloadError(f"{where} must be a string, got {_kind(value)}")
-    return value
+    return _unicode(value, where)
+
+
+def _unicode(text: str, where: str) -> str:
+    """`text`, unless it holds a lone surrogate: JSON's \\ud800 escape alone parses to a string
+    no encoder (the tokenizer's) can write."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise PayloadError(
+            f"{where} has a lone surrogate escape (such as \\ud800 alone), which no Unicode "
+            "text holds; send text, or a surrogate pair for a character beyond U+FFFF"
+        ) from None
+    return text
 
 
 _TYPE_NAMES = {
@@ -194,7 +207,7 @@ def _typed(value, kind: type, where: str):
         return float(value)
     if not validators.is_instance(value, kind):
         raise PayloadError(f"{where} must be {_TYPE_NAMES[kind]}, got {_kind(value)}")
-    return value
+    return _unicode(value, where) if kind is str else value
 
 
 def _fields(instance, where: str, fields: Sequence[Field]) -> dict:
