@@ -38,8 +38,8 @@ def decode(
     `rng`: a key per row ([batch, 2]), or one key split into a key per row."""
     batch = encoder_input_tokens.shape[0]
     settings = DecodingSettings(temperature=temperature, top_k=top_k, top_p=top_p)
-    values = jax.tree_util.tree_map(jnp.asarray, row_settings(settings, batch))
-    picking = Picking(eos_id, samples=temperature > 0)
+    values = jax.tree_util.tree_map(jnp.asarray, row_settings(settings, batch, max_decode_length))
+    picking = Picking(eos_id)
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
     dummy_targets = jnp.zeros((batch, max_decode_length), jnp.int32)
     rng = jax.random.PRNGKey(0) if rng is None else rng

@@ -112,6 +112,7 @@ def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
         repetition_penalty=jnp.ones((len(rows),), jnp.float32),
         no_repeat_ngram_size=jnp.zeros((len(rows),), jnp.int32),
         min_new_tokens=jnp.zeros((len(rows),), jnp.int32),
+        max_new_tokens=jnp.full((len(rows),), 8, jnp.int32),
     )
     ours = np.asarray(jax.jit(decoding.sampled_logits)(jnp.asarray(logits), sampling))
     for row, (temperature, top_k, top_p) in enumerate(rows):
@@ -163,6 +164,7 @@ def test_penalties_then_sampling_filter_each_row_as_hugging_faces_processors_do(
         repetition_penalty=jnp.asarray(columns[0], jnp.float32),
         no_repeat_ngram_size=jnp.asarray(columns[1], jnp.int32),
         min_new_tokens=jnp.asarray(columns[2], jnp.int32),
+        max_new_tokens=jnp.full((len(rows),), max_length, jnp.int32),
     )
     prefix = decoding.Prefix(jnp.asarray(out), jnp.asarray(positions), jnp.ones(len(rows), bool))
 

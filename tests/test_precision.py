@@ -173,7 +173,7 @@ def _engine_program_texts(config, params) -> dict[str, str]:
             np.zeros((size, 16), np.int32),
             np.zeros(size, np.int32),
             np.zeros((size, 2), np.uint32),
-            decoding.row_settings(decoding.DecodingSettings(), size),
+            decoding.row_settings(decoding.DecodingSettings(), size, 4),
         )
         lowered = {
             "insert": programs.insert.lower(p, state, *rows),

@@ -298,6 +298,25 @@ def test_the_server_compiles_the_documented_programs_before_it_is_ready(served):
     assert "16 programs ready" in served.output()
 
 
+@pytest.mark.slow
+def test_new_values_and_lengths_compile_nothing_after_warm_up(served, api_model):
+    """Temperatures, top-k, top-p, penalties and lengths within the served one are each row's
+    values in the warmed programs: requests of new ones compile nothing (issue 65's item 2),
+    and decode as the Python API does."""
+    lowered = _metric(served.port, "t5tpu_serve_programs_lowered")
+    parameters = [
+        *({"temperature": 0.1 + t / 10, "top_k": t, "top_p": 0.5 + t / 20} for t in range(8)),
+        *({"max_length": n} for n in (1, 2, 3)),
+        {"repetition_penalty": 1.7, "no_repeat_ngram_size": 1, "min_new_tokens": 2},
+    ]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda p: predict(served.port, INPUTS[:3], p), parameters))
+    assert all(len(a["predictions"]) == 3 for a in answers)
+    assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered
+    for p, a in zip(parameters[8:], answers[8:], strict=True):
+        assert a["predictions"] == api_model.predict(INPUTS[:3], **p), p
+
+
 def _metric(port: int, name: str) -> float:
     status, _, text = request(port, "GET", "/metrics")
     assert status == 200
@@ -661,9 +680,8 @@ def hold_the_worker(pool, port: int, fake: StandInEngine):
 
 
 def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_them(stand_in):
-    """Greedy rows batch with greedy ones whatever their penalties; sampling rows with sampling
-    ones whatever their temperature, top_k or top_p (each row's own values go with it, into
-    its slot)."""
+    """Greedy and sampling rows batch together, whatever their temperature, top_k, top_p or
+    penalties: each row's own values go with it, into its slot, and one program decodes them."""
     port, fake, running = stand_in
     temperatures = (0.5, 0.7, 0.9)
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -681,13 +699,13 @@ def test_requests_that_arrive_together_share_a_batch_when_one_program_decodes_th
             [f"A{i} t={t}"] for i, t in enumerate(temperatures)
         ]
         assert [f.result()["predictions"] for f in cold] == [[f"B{i} t=0.0"] for i in range(3)]
-    sizes = sorted((group.decoding.temperature, len(rows)) for group, rows in fake.batches[1:])
-    assert sizes == [(0.0, 3), (1.0, 3)]  # the sampling group's key: temperature 1.0, any row's
-    (sampled,) = [rows for group, rows in fake.batches[1:] if group.decoding.temperature]
+    groups = {group for group, _ in fake.batches}
+    assert len(groups) == 1 and [len(rows) for _, rows in fake.batches[1:]] == [4, 2]
+    rows = [row for _, batch in fake.batches[1:] for row in batch]
+    sampled = [row for row in rows if row.settings and row.settings.temperature]
     assert sorted(row.settings.temperature for row in sampled) == list(temperatures)
     assert {row.settings.top_p for row in sampled} == {0.9}
-    (greedy,) = [rows for group, rows in fake.batches[1:] if not group.decoding.temperature]
-    own = [row.settings for row in greedy]
+    own = [row.settings for row in rows if row not in sampled]
     assert own.count(None) == 1  # a plain greedy row carries nothing
     penalties = sorted((s.repetition_penalty, s.no_repeat_ngram_size) for s in own if s)
     assert penalties == [(1.0, 2), (1.3, 0)]

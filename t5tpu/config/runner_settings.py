@@ -83,6 +83,8 @@ def infer_decoding(recorded: DecodingSettings | None = None) -> DecodingSettings
     values = {}
     for field in dataclasses.fields(DecodingSettings):
         name = _INFER_NAMES.get(field.name, field.name)
+        if name not in parameters:  # max_new_tokens: infer's lengths are TASK_FEATURE_LENGTHS
+            continue
         value = gin_setup.bound_value(f"infer.{name}")
         if value is None or value is gin.REQUIRED:
             value = getattr(recorded, field.name) if recorded else parameters[name].default

@@ -54,6 +54,9 @@ class DecodingSettings:
     no_repeat_ngram_size: int = 0
     min_new_tokens: int = 0
     num_return_sequences: int = 1
+    # A row's own length limit within its program's (None: the program's): a value, not a
+    # program's constant, so a server's requests of any length share programs.
+    max_new_tokens: int | None = None
 
     @property
     def samples(self) -> bool:
@@ -111,6 +114,7 @@ class DecodingSettings:
         for name in ("no_repeat_ngram_size", "min_new_tokens"):
             value = getattr(self, name)
             validators.whole(0).check(name.upper(), value)
+        validators.optional(validators.whole(1)).check("max_new_tokens", self.max_new_tokens)
         returned = self.num_return_sequences
         if not (validators.is_whole(returned, low=1) and returned <= max(self.num_beams, 1)):
             raise UserError(
@@ -140,26 +144,30 @@ def first_max_index(x: Array, axis: int = -1) -> Array:
 class RowSettings(NamedTuple):
     """Each slot's own values: arrays, so rows of any values share one compiled program."""
 
-    temperature: Array  # [rows] float32, > 0 (sampling only)
+    temperature: Array  # [rows] float32; 0: greedy
     top_k: Array  # [rows] int32; 0: no limit
     top_p: Array  # [rows] float32; 1.0: no limit
     repetition_penalty: Array  # [rows] float32; 1.0: none
     no_repeat_ngram_size: Array  # [rows] int32; 0: off
     min_new_tokens: Array  # [rows] int32
+    max_new_tokens: Array  # [rows] int32: the row ends at this many tokens
 
 
-ROW_DTYPES = RowSettings(np.float32, np.int32, np.float32, np.float32, np.int32, np.int32)
+ROW_DTYPES = RowSettings(np.float32, np.int32, np.float32, np.float32, np.int32, np.int32, np.int32)
 
 
-def row_settings(settings: DecodingSettings, rows: int) -> RowSettings:
-    """`rows` slots' values for `settings` (host arrays; a free slot's are harmless ones)."""
+def row_settings(settings: DecodingSettings, rows: int, max_length: int) -> RowSettings:
+    """`rows` slots' values for `settings` in programs of `max_length` tokens (host arrays; a
+    free slot's are harmless ones)."""
+    own_length = settings.max_new_tokens
     values = RowSettings(
-        temperature=settings.temperature or 1.0,
+        temperature=settings.temperature if settings.samples else 0.0,
         top_k=settings.top_k,
         top_p=settings.top_p,
         repetition_penalty=settings.repetition_penalty,
         no_repeat_ngram_size=settings.no_repeat_ngram_size,
         min_new_tokens=settings.min_new_tokens,
+        max_new_tokens=max_length if own_length is None else min(own_length, max_length),
     )
     return RowSettings(
         *(np.full((rows,), v, dtype) for v, dtype in zip(values, ROW_DTYPES, strict=True))
@@ -172,7 +180,8 @@ def sampled_logits(logits: Array, sampling: RowSettings) -> Array:
     TopPLogitsWarper): divided by the temperature; below the k-th largest dropped (ties kept);
     then, in ascending order, those whose cumulative probability is at most 1 - top_p dropped,
     the most likely always kept. Dropped: -inf. The sorts are skipped when no row limits."""
-    scaled = logits / sampling.temperature[:, None]
+    # A greedy row's temperature is 0: it divides by 1 here and draws nothing (_pick_next).
+    scaled = logits / jnp.where(sampling.temperature > 0, sampling.temperature, 1.0)[:, None]
     vocab = logits.shape[-1]
 
     def limited(scaled):
@@ -240,10 +249,19 @@ def _repeated_ngram_ends(prefix: Prefix, sizes: Array, vocab: int) -> Array:
 
 
 def _pick_next(logits: Array, rng: Array, picking, values: RowSettings, prefix: Prefix) -> Array:
-    """Each row's next token: greedy, or with `picking.samples` a draw from its sampled_logits
-    with its own key ([rows, 2]: a row's draw is independent of its batch mates), after the
-    penalties of the rows that have any. `picking.vocab_axis` 0: logits come as [vocab, rows]
-    (the feature-major step's)."""
+    """Each row's next token: the most likely where its temperature is 0, else a draw from its
+    sampled_logits with its own key ([rows, 2]: a row's draw is independent of its batch
+    mates), after the penalties of the rows that have any. Which of these any live row needs
+    is found at run time, so one program decodes greedy and sampling rows together, and a
+    batch of plain greedy rows reads its logits as they come. `picking.vocab_axis` 0: logits
+    come as [vocab, rows] (the feature-major step's)."""
+    live = prefix.live
+    samples = jnp.any(live & (values.temperature > 0))
+    penalizes = live & (
+        (values.repetition_penalty != 1)
+        | (values.no_repeat_ngram_size > 0)
+        | (prefix.position < values.min_new_tokens)
+    )
 
     def rows_first(logits):
         if picking.vocab_axis == 0:
@@ -252,24 +270,24 @@ def _pick_next(logits: Array, rng: Array, picking, values: RowSettings, prefix: 
         return logits
 
     def pick(logits):  # [rows, vocab]
-        if not picking.samples:
-            return first_max_index(logits)
-        filtered = sampled_logits(logits, values)
-        return jax.vmap(jax.random.categorical)(rng, filtered).astype(jnp.int32)
+        greedy = first_max_index(logits)
+
+        def drawn(logits):
+            filtered = sampled_logits(logits, values)
+            drawn = jax.vmap(jax.random.categorical)(rng, filtered).astype(jnp.int32)
+            return jnp.where(values.temperature > 0, drawn, greedy)
+
+        return jax.lax.cond(samples, drawn, lambda _: greedy, logits)
 
     def plain(logits):
-        if not picking.samples:  # no transpose: greedy reads either layout
+        def greedy(logits):  # no transpose: greedy reads either layout
             return first_max_index(logits, picking.vocab_axis)
-        return pick(rows_first(logits))
+
+        return jax.lax.cond(samples, lambda logits: pick(rows_first(logits)), greedy, logits)
 
     def penalized(logits):
         return pick(penalized_logits(rows_first(logits), values, prefix, picking.eos_id))
 
-    penalizes = prefix.live & (
-        (values.repetition_penalty != 1)
-        | (values.no_repeat_ngram_size > 0)
-        | (prefix.position < values.min_new_tokens)
-    )
     return jax.lax.cond(jnp.any(penalizes), penalized, plain, logits)
 
 
@@ -359,7 +377,9 @@ def slot_shapes(module, params, rows: int, input_length: int, max_length: int) -
             out=jnp.zeros((rows, max_length), jnp.int32),
             done=jnp.ones((rows,), jnp.bool_),
             keys=jnp.zeros((rows, 2), jnp.uint32),
-            values=RowSettings(*map(jnp.asarray, row_settings(DecodingSettings(), rows))),
+            values=RowSettings(
+                *map(jnp.asarray, row_settings(DecodingSettings(), rows, max_length))
+            ),
         )
 
     return jax.eval_shape(empty, params)
@@ -422,12 +442,11 @@ def insert_rows(
 
 @dataclasses.dataclass(frozen=True)
 class Picking:
-    """How `run_segment` picks tokens: greedy, or sampling with each slot's own values (in the
-    slots, not in the program), ending at eos_id; from logits with the vocabulary on
-    `vocab_axis`."""
+    """What `run_segment` picks tokens by besides each slot's own values (greedy or sampling,
+    in the slots, not in the program): the token that ends a row, and the vocabulary's axis in
+    the step's logits."""
 
     eos_id: int
-    samples: bool = False
     vocab_axis: int = -1
 
 
@@ -447,14 +466,14 @@ def run_segment(
     def step(carry):
         s, steps = carry
         logits, cache = decoder_step(s.cache, s.encoder_tokens, s.token, s.position)
-        keys, step_keys = _split(s.keys) if picking.samples else (s.keys, s.keys)
+        keys, step_keys = _split(s.keys)
         prefix = Prefix(s.out, s.position, ~s.done)
         token = _pick_next(logits, step_keys, picking, s.values, prefix)
         token = jnp.where(s.done, 0, token)
         written = (columns == s.position[:, None]) & ~s.done[:, None]
         out = jnp.where(written, token[:, None], s.out)
         position = jnp.where(s.done, s.position, s.position + 1)
-        done = s.done | (token == picking.eos_id) | (position >= max_length)
+        done = s.done | (token == picking.eos_id) | (position >= s.values.max_new_tokens)
         advanced = Slots(cache, s.encoder_tokens, token, position, out, done, keys, s.values)
         return advanced, steps + 1
 

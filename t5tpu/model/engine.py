@@ -97,13 +97,13 @@ class Request:
 
     @property
     def family(self) -> tuple:
-        """The programs these settings share: greedy's, sampling's (their values are inputs
-        of the programs, each slot's own: any temperature, top_k, top_p, penalties and seed
-        share them), or beam search's of its width and length penalty."""
+        """The programs these settings share: greedy's and sampling's (their values are
+        inputs of the programs, each slot's own: any temperature, top_k, top_p, penalties and
+        seed share them), or beam search's of its width and length penalty."""
         settings = self.settings
         if settings.num_beams > 1:
             return ("beam", settings.num_beams, settings.beam_alpha, self.max_length)
-        return ("decode", "sample" if settings.samples else "greedy", self.max_length)
+        return ("decode", self.max_length)
 
 
 class Feed(Protocol):

@@ -172,7 +172,7 @@ def build_insert(*, engine, request, shape: Shape):
 def build_segment(*, engine, request, shape: Shape):
     """The program that decodes a batch's live slots until enough are free (jit'd)."""
     module = engine.network.module
-    picking = decoding.Picking(engine.network.vocabulary.eos_id, request.settings.samples)
+    picking = decoding.Picking(engine.network.vocabulary.eos_id)
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
@@ -215,7 +215,7 @@ class SlotBatch:
         where[: len(rows)] = free[: len(rows)]
         tokens = padded([row.ids for row in rows], size, self.shape.bucket)
         keys = np.zeros((size, 2), np.uint32)
-        if self.request.settings.samples:
+        if any((row.settings or self.request.settings).samples for row in rows):
             keys[: len(rows)] = row_keys(rows)
         put = self.engine.replicate
         values = decoding.RowSettings(*map(put, _row_values(rows, self.request, size)))
@@ -269,10 +269,10 @@ class SlotBatch:
 def _row_values(rows, request, size: int) -> decoding.RowSettings:
     """[size] values: each row's own (engine.Row.settings), else the request's; the padding
     rows' the request's."""
-    values = decoding.row_settings(request.settings, size)
+    values = decoding.row_settings(request.settings, size, request.max_length)
     for position, row in enumerate(rows):
         if row.settings is not None:
-            own = decoding.row_settings(row.settings, 1)
+            own = decoding.row_settings(row.settings, 1, request.max_length)
             for column, value in zip(values, own, strict=True):
                 column[position] = value[0]
     return values

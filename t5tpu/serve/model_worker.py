@@ -37,8 +37,8 @@ from t5tpu.tasks import shaping
 _POLL_STEPS = 8
 _STREAM_STEPS = 2
 # The settings that are each row's own values, at their defaults: a group's rows may differ in
-# them (sampling's temperature is 1.0 in the group, 0.0 greedy's).
-_VALUES = {"top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
+# them (greedy and sampling rows decode in one batch).
+_VALUES = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}
 _VALUES.update(no_repeat_ngram_size=0, min_new_tokens=0)
 
 
@@ -68,10 +68,11 @@ class Group:
         cls, settings: Decoding, length: int, adapter: str | None = None, streams: bool = False
     ) -> Group:
         # The seed only picks row keys, and the values are each row's (engine.Row's
-        # `settings`): rows of every seed, temperature, top_k, top_p and penalty share a batch.
-        if settings.num_beams == 1:  # beam_alpha is beam search's alone
-            sampled = 1.0 if settings.temperature > 0 else 0.0
-            settings = dataclasses.replace(settings, **_VALUES, temperature=sampled, beam_alpha=0.6)
+        # `settings`): rows of every seed, temperature, top_k, top_p, penalty and length share
+        # a batch (ModelWorker._request; max_length 0: each row's). beam_alpha is beam
+        # search's alone.
+        if settings.num_beams == 1:
+            settings = dataclasses.replace(settings, **_VALUES, beam_alpha=0.6, max_length=0)
         return cls("decode", length, dataclasses.replace(settings, seed=0), adapter, streams)
 
     @classmethod
@@ -243,7 +244,16 @@ class ModelWorker:
     def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
         """A request's own values, which its rows carry (None: the group's do)."""
         settings = self._request(wanted).settings
-        return settings if settings.samples or settings.penalizes else None
+        shorter = wanted.num_beams == 1 and wanted.max_length < self.max_target_length
+        return settings if settings.samples or settings.penalizes or shorter else None
 
     def _request(self, wanted: Decoding) -> Request:
-        return Request(wanted.settings(), wanted.max_length)
+        """Greedy's and sampling's programs decode up to the longest output served; a row stops
+        at its own max_length (a value, so no length compiles programs of its own). Beam
+        search's length is its program's."""
+        settings = wanted.settings()
+        if wanted.num_beams > 1:
+            return Request(settings, wanted.max_length)
+        served = self.max_target_length
+        own = wanted.max_length if 0 < wanted.max_length < served else None  # 0: a group's
+        return Request(dataclasses.replace(settings, max_new_tokens=own), served)

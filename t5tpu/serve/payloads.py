@@ -68,14 +68,16 @@ class Decoding:
     num_return_sequences: int = 1
 
     def settings(self) -> DecodingSettings:
-        """The engine's settings for these (the length limit apart)."""
+        """The engine's settings for these, the length limit a row's own (max_new_tokens)."""
         values = dataclasses.asdict(self)
-        del values["max_length"]
-        return DecodingSettings(**values)
+        length = values.pop("max_length")
+        return DecodingSettings(**values, max_new_tokens=length)
 
     @classmethod
     def of(cls, settings: DecodingSettings, *, max_length: int) -> Decoding:
-        return cls(**dataclasses.asdict(settings), max_length=max_length)
+        values = dataclasses.asdict(settings)
+        del values["max_new_tokens"]
+        return cls(**values, max_length=max_length)
 
 
 @dataclasses.dataclass(frozen=True)
