@@ -330,9 +330,17 @@ def row_keys(seed: int, indices) -> np.ndarray:
     """A sampling key for each example, from its index among the inputs ([len(indices), 2]):
     an example's draw then depends on the seed and its place, never on its batch mates, so
     infer's chunks, the Python API's calls and a server's batches sample alike."""
-    base = jax.random.PRNGKey(seed)
-    indices = np.asarray(indices, np.uint32)
-    return np.asarray(jax.vmap(lambda i: jax.random.fold_in(base, i))(indices))
+    return keys_of(np.full(len(indices), seed), indices)
+
+
+@jax.jit
+def _keys_of(seeds: Array, indices: Array) -> Array:
+    return jax.vmap(lambda seed, i: jax.random.fold_in(jax.random.PRNGKey(seed), i))(seeds, indices)
+
+
+def keys_of(seeds, indices) -> np.ndarray:
+    """row_keys of rows of their own seeds ([n, 2]), in one compiled call per n."""
+    return np.asarray(_keys_of(np.asarray(seeds, np.int32), np.asarray(indices, np.uint32)))
 
 
 def _split(rng: Array) -> tuple[Array, Array]:

@@ -216,7 +216,7 @@ class SlotBatch:
         tokens = padded([row.ids for row in rows], size, self.shape.bucket)
         keys = np.zeros((size, 2), np.uint32)
         if any((row.settings or self.request.settings).samples for row in rows):
-            keys[: len(rows)] = row_keys(rows)
+            keys = row_keys(rows, size)
         put = self.engine.replicate
         values = decoding.RowSettings(*map(put, _row_values(rows, self.request, size)))
         self._state = self._programs.insert(
@@ -254,7 +254,8 @@ class SlotBatch:
 
     def warm_up(self) -> None:
         """Runs both programs once without changing a slot: an insertion of padding only and a
-        segment of no steps."""
+        segment of no steps (and the sampling keys' small program)."""
+        row_keys([], insert_size(self.count))
         self._insert_some([], insert_size(self.count))
         self.run(free_wanted=0, max_steps=0)
 
@@ -288,12 +289,10 @@ def padded(rows, count: int, length: int) -> np.ndarray:
     return out
 
 
-def row_keys(rows) -> np.ndarray:
-    """[len(rows), 2] sampling keys: each row's from its seed and index (engine.Row)."""
-    keys = np.zeros((len(rows), 2), np.uint32)
-    by_seed: dict[int, list[int]] = {}
-    for position, row in enumerate(rows):
-        by_seed.setdefault(row.seed, []).append(position)
-    for seed, positions in by_seed.items():
-        keys[positions] = decoding.row_keys(seed, [rows[p].index for p in positions])
-    return keys
+def row_keys(rows, size: int) -> np.ndarray:
+    """[size, 2] sampling keys: each row's from its seed and index (engine.Row), padding rows'
+    after them; of one shape per insertion size, so that warm-up compiles it."""
+    seeds, indices = np.zeros((2, size), np.int64)
+    seeds[: len(rows)] = [row.seed for row in rows]
+    indices[: len(rows)] = [row.index for row in rows]
+    return decoding.keys_of(seeds, indices)
