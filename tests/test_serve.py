@@ -493,6 +493,9 @@ def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
         (["--max_instances=600"], "more than --max_queue"),
         (["--max_wait_ms=5000"], "--max_wait_ms"),
         (["--no_such_flag"], "unrecognized arguments"),
+        (["--header_timeout=0"], "--header_timeout=0.0 must be above 0 seconds"),
+        (["--max_header_bytes=0"], "--max_header_bytes = 0 must be a whole number >= 1"),
+        (["--api_key_file=/no/such/file"], "cannot read --api_key_file=/no/such/file"),
     ],
 )
 def test_bad_flags_are_one_line_exit_2_before_anything_loads(flags, message):
