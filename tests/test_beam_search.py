@@ -141,3 +141,29 @@ def test_scores_are_rescored_log_likelihoods():
     for row, score, row_log_probs, n in zip(tokens, scores, rescored, lengths, strict=True):
         np.testing.assert_allclose(score, _penalized(row_log_probs, n, alpha), rtol=1e-4)
         assert (row[n:] == 0).all()
+
+
+def test_rows_of_other_alphas_and_limits_decode_as_alone_in_one_program():
+    """alpha and the length limit are each row's values (a server's beam requests of any share
+    its programs): a batch of mixed ones gives each row what a program of its own gives."""
+    _, module, params = _random_model(VOCAB, seed=3, scale=1.0)  # EOS is often likely
+    inputs = np.random.default_rng(5).integers(2, VOCAB, size=(6, 10)).astype(np.int32)
+    alphas = np.array([0.0, 3.0, 3.0, 0.6, 0.0, 3.0], np.float32)
+    limits = np.array([8, 3, 2, 1, 8, 4], np.int32)
+
+    def hypotheses(x, length, alpha, limit):
+        tokens, scores = decoding.beam_hypotheses(module, params, x, length, EOS, 3, alpha, limit)
+        per_row = (alpha, limit) if limit is None else (alpha[:, None], limit[:, None])
+        return tokens, decoding.log_likelihoods(tokens, scores, EOS, *per_row)
+
+    mixed = jax.jit(lambda x, a, n: hypotheses(x, 8, a, n))
+    tokens, scores = (np.asarray(a) for a in mixed(inputs, alphas, limits))
+    ran_out = 0
+    for i, (alpha, limit) in enumerate(zip(alphas.tolist(), limits.tolist(), strict=True)):
+        alone = jax.jit(lambda x, n=limit, a=alpha: hypotheses(x, n, a, None))(inputs[i : i + 1])
+        alone_tokens, alone_scores = (np.asarray(a)[0] for a in alone)
+        np.testing.assert_array_equal(tokens[i, :, :limit], alone_tokens)
+        assert (tokens[i, :, limit:] == 0).all()
+        np.testing.assert_allclose(scores[i], alone_scores, rtol=1e-5)
+        ran_out += sum(EOS not in row for row in alone_tokens)
+    assert ran_out  # some hypotheses end by their limit, not by EOS

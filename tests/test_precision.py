@@ -180,7 +180,12 @@ def _engine_program_texts(config, params) -> dict[str, str]:
             "segment": programs.segment.lower(
                 p, engine.step_weights, state, np.zeros(count, bool), np.int32(1), np.int32(4)
             ),
-            "beam": engine._build_beam(beams, count, 16).lower(p, np.zeros((count, 16), np.int32)),
+            "beam": engine._build_beam(beams, count, 16).lower(
+                p,
+                np.zeros((count, 16), np.int32),
+                np.ones(count, np.int32),
+                *decoding.Normalization.of(count),
+            ),
             "score": engine._build_score(None, count, 16, 4).lower(
                 p, *(np.zeros((count, n), np.int32) for n in (16, 4, 4))
             ),

@@ -317,6 +317,33 @@ def test_new_values_and_lengths_compile_nothing_after_warm_up(served, api_model)
         assert a["predictions"] == api_model.predict(INPUTS[:3], **p), p
 
 
+@pytest.mark.slow
+def test_a_new_beam_width_compiles_beside_the_model_thread(served, api_model):
+    """Beam search's width is the one setting that needs programs of its own: a request of a
+    width not met before waits for them, compiled in a thread of their own, while other
+    requests are answered; its length penalty, length and n-best are values that compile
+    nothing more, and decode as the Python API does."""
+    lowered = _metric(served.port, "t5tpu_serve_programs_lowered")
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        beams = pool.submit(predict, served.port, INPUTS[:1], {"num_beams": 5})
+        time.sleep(0.3)
+        greedy = predict(served.port, INPUTS[:1])
+        assert not beams.done()  # answered while the beam programs compiled
+        assert beams.result()["predictions"] == api_model.predict(INPUTS[:1], num_beams=5)
+    assert greedy["predictions"] == api_model.predict(INPUTS[:1])
+    # Row counts 1 and 4 at the input's bucket: one program each.
+    assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered + 2
+    others = [{"beam_alpha": 0.0}, {"max_length": 2}]
+    others.append({"num_return_sequences": 2})
+    for parameters in others:
+        parameters["num_beams"] = 5
+        (answer,) = predict(served.port, INPUTS[:1], parameters)["predictions"]
+        if isinstance(answer, list):  # the n best, each with its score
+            answer = [best["prediction"] for best in answer]
+        assert [answer] == api_model.predict(INPUTS[:1], **parameters), parameters
+    assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered + 2
+
+
 def _metric(port: int, name: str) -> float:
     status, _, text = request(port, "GET", "/metrics")
     assert status == 200
@@ -559,6 +586,9 @@ class StandInEngine:
         self._words_lock = threading.Lock()  # requests are tokenized in several threads
         self.vocabulary = types.SimpleNamespace(decode=self._decode)
         self.left: list[str] = []  # streamed rows whose clients went away mid-way
+
+    def ready(self, group, wake) -> bool:
+        return True  # nothing to compile
 
     def row_settings(self, wanted: Decoding):
         """A request's own values, as ModelWorker.row_settings gives them."""

@@ -31,13 +31,17 @@ Array = jax.Array
 TEMPERATURES = (1e-6, 1e6)
 # Repetition penalties a float32 program multiplies and divides logits by without overflow.
 PENALTIES = (1e-3, 1e3)
+# T5X's beam alpha and Hugging Face's length_penalty exponent, within what float32 normalizes.
+BEAM_ALPHAS = (0.0, 10.0)
+LENGTH_PENALTIES = (-10.0, 10.0)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodingSettings:
     """How to pick each next token: greedy (temperature 0), sampling (temperature > 0, from the
     top_k most likely tokens and the smallest set whose probability reaches top_p, in Hugging
-    Face's order), or beam search (num_beams > 1, length penalty beam_alpha). Greedy and
+    Face's order), or beam search (num_beams > 1, T5X's length penalty beam_alpha, or Hugging
+    Face's length_penalty where that is set). Greedy and
     sampling also take Hugging Face's repetition_penalty, no_repeat_ngram_size and
     min_new_tokens, applied before the temperature as its logits processors are; beam search
     returns its num_return_sequences best. `seed` feeds sampling only. The gin macros of the
@@ -57,6 +61,9 @@ class DecodingSettings:
     # A row's own length limit within its program's (None: the program's): a value, not a
     # program's constant, so a server's requests of any length share programs.
     max_new_tokens: int | None = None
+    # Hugging Face's beam length normalization, length ** length_penalty, with its stopping
+    # rule, in place of T5X's beam_alpha (None: T5X's). Like beam_alpha, unused by greedy.
+    length_penalty: float | None = None
 
     @property
     def samples(self) -> bool:
@@ -122,11 +129,25 @@ class DecodingSettings:
                 f"({self.num_beams}): the n best hypotheses of beam search (sampled ones: not "
                 "yet)"
             )
+        self._check_length_penalty()
         if self.num_beams > 1 and self.penalizes:
             raise UserError(
                 f"NUM_BEAMS = {self.num_beams}: beam search does not take REPETITION_PENALTY, "
                 "NO_REPEAT_NGRAM_SIZE or MIN_NEW_TOKENS; leave them at 1.0, 0 and 0, or "
                 "decode greedily (NUM_BEAMS = 1)"
+            )
+
+    def _check_length_penalty(self) -> None:
+        alpha, exponent = self.beam_alpha, self.length_penalty
+        if not (validators.is_number(alpha) and BEAM_ALPHAS[0] <= alpha <= BEAM_ALPHAS[1]):
+            raise UserError(f"BEAM_ALPHA = {alpha!r} must be a number from 0 to 10 (T5X's)")
+        if exponent is None:
+            return
+        low, high = LENGTH_PENALTIES
+        if not (validators.is_number(exponent) and low <= exponent <= high):
+            raise UserError(
+                f"LENGTH_PENALTY = {exponent!r} must be a number from {low:g} to {high:g} "
+                "(Hugging Face's exponent; None: T5X's BEAM_ALPHA)"
             )
 
 
@@ -518,6 +539,33 @@ def length_penalty(length: Array | int, alpha: float) -> Array:
     return ((5.0 + jnp.asarray(length, jnp.float32)) / 6.0) ** alpha
 
 
+class Normalization(NamedTuple):
+    """How beam search ranks finished hypotheses of other lengths, each example its own: T5X's
+    length_penalty(length, alpha), or where `hf` Hugging Face's length ** exponent (its
+    `length_penalty`) with its stopping rule (early_stopping=False: an example stops taking
+    hypotheses once its best live one, normalized at its length so far, cannot beat its worst
+    finished one). Arrays [batch]."""
+
+    alpha: Array
+    exponent: Array
+    hf: Array
+
+    @classmethod
+    def of(cls, batch: int, alpha=0.6, exponent=None) -> Normalization:
+        """T5X's alpha for every example (`exponent` None), else Hugging Face's exponent."""
+        hf = exponent is not None
+        values = (alpha, 1.0 if exponent is None else exponent, hf)
+        return cls(*(jnp.broadcast_to(jnp.asarray(v), (batch,)) for v in values))
+
+    def penalty(self, length: Array | int) -> Array:
+        """The divisor of a hypothesis of `length` tokens (EOS included): [batch, ...] for
+        `length` [batch, ...] (or one length)."""
+        length = jnp.asarray(length, jnp.float32)
+        per_row = [x.reshape(x.shape + (1,) * max(length.ndim - 1, 0)) for x in self]
+        alpha, exponent, hf = per_row
+        return jnp.where(hf, length**exponent, length_penalty(length, alpha.astype(jnp.float32)))
+
+
 def _path_names(path) -> list:
     return [getattr(key, "key", None) for key in path]
 
@@ -577,6 +625,7 @@ class _Beams(NamedTuple):
     live_scores: Array  # [batch, beams] their summed log-probabilities
     finished: Array  # [batch, beams, max_length] the best finished hypotheses, best first
     finished_scores: Array  # [batch, beams] their length-normalized scores (-inf: none yet)
+    open: Array  # [batch] Hugging Face's stopping rule: whether an example takes hypotheses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,10 +636,11 @@ class _BeamSearch:
     params: Any
     encoded: Array
     encoder_tokens: Array  # the encoder's tokens, repeated per beam (for the masks)
-    max_length: int
+    max_length: int  # the hypotheses' (and caches') length
     eos_id: int
     num_beams: int
-    alpha: float
+    normalization: Normalization
+    limit: Array  # [batch] each example's longest hypothesis, at most max_length
 
     def start(self, cache, batch: int) -> _Beams:
         empty = jnp.zeros((batch, self.num_beams, self.max_length), jnp.int32)
@@ -605,16 +655,20 @@ class _BeamSearch:
             live_scores=jnp.broadcast_to(first_live, (batch, self.num_beams)).astype(jnp.float32),
             finished=empty,
             finished_scores=jnp.full((batch, self.num_beams), -jnp.inf, jnp.float32),
+            open=jnp.ones((batch,), bool),
         )
 
     def not_finished(self, beams: _Beams) -> Array:
         # Log-probabilities only fall as a hypothesis grows, so the best a live beam can still
         # reach is its score under the largest penalty of any length it may end at.
-        final_penalty = length_penalty(self.max_length, self.alpha)
-        largest_penalty = jnp.maximum(length_penalty(beams.position + 1, self.alpha), final_penalty)
+        penalty = self.normalization.penalty
+        largest_penalty = jnp.maximum(penalty(beams.position + 1), penalty(self.limit))
         best_reachable = beams.live_scores[:, 0] / largest_penalty
         settled = beams.finished_scores[:, -1] >= best_reachable
-        return (beams.position < self.max_length) & ~jnp.all(settled)
+        settled = jnp.where(self.normalization.hf, ~beams.open, settled)
+        return (beams.position < self.max_length) & ~jnp.all(
+            settled | (beams.position >= self.limit)
+        )
 
     def step(self, beams: _Beams) -> _Beams:
         """Extends every live hypothesis by every token and keeps the best of each kind."""
@@ -638,16 +692,22 @@ class _BeamSearch:
         parent, next_token = flat_index // vocab, (flat_index % vocab).astype(jnp.int32)
         live = jnp.take_along_axis(beams.live, parent[:, :, None], axis=1)
         live = live.at[:, :, beams.position].set(next_token)
-        # At the last position every live hypothesis is finished by length.
-        at_end = beams.position + 1 == self.max_length
-        final_penalty = length_penalty(self.max_length, self.alpha)
+        # At an example's last position every live hypothesis is finished by length (Hugging
+        # Face's: those among the step's num_beams best extensions).
+        at_end = (beams.position + 1 == self.limit)[:, None] & self._takes(beams)
+        at_end &= ~self.normalization.hf[:, None] | (live_scores >= kth_best)
+        final_penalty = self.normalization.penalty(self.limit)[:, None]
         pool.append((jnp.where(at_end, live_scores / final_penalty, -jnp.inf), live))
         finished_scores, finished = _top_hypotheses(
             jnp.concatenate([scores for scores, _ in pool], axis=1),
             jnp.concatenate([tokens for _, tokens in pool], axis=1),
             self.num_beams,
         )
+        # Hugging Face's rule: the best live hypothesis normalized at its length so far.
+        best_now = live_scores[:, 0] / self.normalization.penalty(beams.position + 1)
+        improves = best_now > finished_scores[:, -1]
         return _Beams(
+            open=beams.open & (improves | ~self.normalization.hf),
             position=beams.position + 1,
             cache=_reorder_beams(cache, parent),
             token=next_token.reshape(-1),
@@ -676,9 +736,15 @@ class _BeamSearch:
         extension ranks among the step's num_beams best extensions (at least `kth_best`, so
         one beam is exactly greedy decoding when alpha is 0); -inf for the others."""
         ending = candidates[:, :, self.eos_id]
-        penalty = length_penalty(beams.position + 1, self.alpha)
-        scores = jnp.where(ending >= kth_best, ending / penalty, -jnp.inf)
+        penalty = self.normalization.penalty(beams.position + 1)[:, None]
+        kept = (ending >= kth_best) & self._takes(beams)
+        scores = jnp.where(kept, ending / penalty, -jnp.inf)
         return scores, beams.live.at[:, :, beams.position].set(self.eos_id)
+
+    def _takes(self, beams: _Beams) -> Array:
+        """[batch, 1]: whether an example takes finished hypotheses at this step (not past its
+        limit, nor closed by Hugging Face's stopping rule)."""
+        return ((beams.position < self.limit) & beams.open)[:, None]
 
 
 def beam_hypotheses(
@@ -688,13 +754,17 @@ def beam_hypotheses(
     max_decode_length: int,
     eos_id: int,
     num_beams: int = 4,
-    alpha: float = 0.6,
+    alpha: float | Array | Normalization = 0.6,
+    limit: Array | None = None,
 ) -> tuple[Array, Array]:
     """Beam search with T5X's length penalty. Returns (tokens [batch, num_beams,
     max_decode_length], scores [batch, num_beams]): each example's num_beams best hypotheses,
-    best first, each ending at its EOS (included), zeros after.
+    best first, each ending at its EOS (included), zeros after. `alpha` (T5X's, or a
+    Normalization) and `limit` (each example's longest hypothesis; None: max_decode_length)
+    are values, one or one per example: a program of one width and length decodes examples of
+    any.
 
-    A hypothesis is finished when it emits EOS or reaches max_decode_length; its score is its
+    A hypothesis is finished when it emits EOS or reaches its limit; its score is its
     summed log-probability divided by length_penalty(its length in tokens, EOS included). Every
     step extends the `num_beams` live hypotheses by every token; EOS extensions that rank among
     the step's `num_beams` best extensions join the kept `num_beams` best finished hypotheses, and
@@ -705,6 +775,8 @@ def beam_hypotheses(
     # The encoder and the cross-attention keys/values are computed and kept once per example:
     # the attention layers let an example's beams share them. Self-attention caches are per beam.
     encoded, cache = _encode_and_make_cache(module, params, encoder_input_tokens, max_decode_length)
+    batch = encoder_input_tokens.shape[0]
+    limit = max_decode_length if limit is None else jnp.minimum(limit, max_decode_length)
     search = _BeamSearch(
         module=module,
         params=params,
@@ -713,10 +785,11 @@ def beam_hypotheses(
         max_length=max_decode_length,
         eos_id=eos_id,
         num_beams=num_beams,
-        alpha=alpha,
+        normalization=alpha if isinstance(alpha, Normalization) else Normalization.of(batch, alpha),
+        limit=jnp.broadcast_to(jnp.asarray(limit, jnp.int32), (batch,)),
     )
     cache = _expand_to_beams(cache, num_beams, only=_is_self_attention_cache)
-    start = search.start(cache, batch=encoder_input_tokens.shape[0])
+    start = search.start(cache, batch=batch)
     beams = jax.lax.while_loop(search.not_finished, search.step, start)
     return beams.finished, beams.finished_scores
 
@@ -728,9 +801,19 @@ def beam_search(*args, **kwargs) -> tuple[Array, Array]:
     return tokens[:, 0], scores[:, 0]
 
 
-def log_likelihoods(tokens: Array, scores: Array, eos_id: int, alpha: float) -> Array:
+def log_likelihoods(
+    tokens: Array,
+    scores: Array,
+    eos_id: int,
+    alpha: float | Array | Normalization,
+    limit: Array | None = None,
+) -> Array:
     """The summed log-probabilities of finished hypotheses ([..., length] tokens) whose
-    length-normalized `scores` beam search gave: each score times its length's penalty."""
+    length-normalized `scores` beam search gave: each score times its length's penalty (one
+    without EOS is as long as its `limit`, broadcast against `scores`; None: all tokens)."""
     ends = tokens == eos_id
-    length = jnp.where(jnp.any(ends, -1), jnp.argmax(ends, -1) + 1, tokens.shape[-1])
+    unended = tokens.shape[-1] if limit is None else limit
+    length = jnp.where(jnp.any(ends, -1), jnp.argmax(ends, -1) + 1, unended)
+    if isinstance(alpha, Normalization):
+        return scores * alpha.penalty(length)
     return scores * length_penalty(length, alpha)

@@ -99,10 +99,10 @@ class Request:
     def family(self) -> tuple:
         """The programs these settings share: greedy's and sampling's (their values are
         inputs of the programs, each slot's own: any temperature, top_k, top_p, penalties and
-        seed share them), or beam search's of its width and length penalty."""
-        settings = self.settings
-        if settings.num_beams > 1:
-            return ("beam", settings.num_beams, settings.beam_alpha, self.max_length)
+        seed share them), or beam search's of its width (length penalty and each row's length
+        limit are its inputs too)."""
+        if self.settings.num_beams > 1:
+            return ("beam", self.settings.num_beams, self.max_length)
         return ("decode", self.max_length)
 
 
@@ -178,6 +178,10 @@ class _Programs:
             for stale in others[: max(0, len(others) - _KEPT_SETTINGS)]:
                 del self._families[stale]
             return programs[shape]
+
+    def has(self, family: tuple, shape: tuple) -> bool:
+        with self._lock:
+            return shape in self._families.get(family, {})
 
     def __len__(self) -> int:
         return sum(len(programs) for programs in self._families.values())
@@ -412,11 +416,33 @@ class Engine:
 
     def _beam_batch(self, rows: list[Row], bucket: int, request: Request, count: int):
         program = self._program("beam", request, (count, bucket), self._build_beam)
-        tokens = self._put(slot_batch.padded([row.ids for row in rows], count, bucket))
-        hypotheses, scores = (np.asarray(out) for out in program(self.params, tokens))
-        n = request.settings.num_return_sequences
-        for row, best, score in zip(rows, hypotheses, scores, strict=False):  # padding dropped
+        tokens = slot_batch.padded([row.ids for row in rows], count, bucket)
+        own = [row.settings or request.settings for row in rows]
+        own += [request.settings] * (count - len(rows))
+        limit = np.array([s.max_new_tokens or request.max_length for s in own], np.int32)
+        normalization = decoding.Normalization(
+            alpha=np.array([s.beam_alpha for s in own], np.float32),
+            exponent=np.array([s.length_penalty or 0.0 for s in own], np.float32),
+            hf=np.array([s.length_penalty is not None for s in own]),
+        )
+        arrays = (self._put(a) for a in (tokens, limit, *normalization))
+        hypotheses, scores = (np.asarray(out) for out in program(self.params, *arrays))
+        for row, best, score, s in zip(rows, hypotheses, scores, own, strict=False):
+            n = s.num_return_sequences  # padding dropped above by zip
             yield Decoded(row, best[0], sequences=best[:n], scores=score[:n])
+
+    def has_beam_programs(self, request: Request, bucket: int) -> bool:
+        """Whether beam search's programs for `bucket` exist at every row count."""
+        return all(
+            self._programs.has(request.family, ("beam", count, bucket))
+            for count in self.slot_counts
+        )
+
+    def compile_beam(self, request: Request, bucket: int) -> None:
+        """Compiles beam search's programs for `bucket` at every row count; any thread may
+        (a server's does it beside the model's thread, which goes on decoding)."""
+        for count in self.slot_counts:
+            self._program("beam", request, (count, bucket), self._build_beam)
 
     def _continuous(self, feed, request, run: _Continuous):
         """Yields the rows of one continuous batch as they finish; returns its _BatchEnd. A
@@ -596,17 +622,31 @@ class Engine:
     # parameters): a program kept by jax's own caches must not keep the engine alive.
 
     def _build_beam(self, request: Request, count: int, bucket: int):
-        module, settings, max_length = self.network.module, request.settings, request.max_length
-        eos_id = self.network.vocabulary.eos_id
+        module, max_length = self.network.module, request.max_length
+        eos_id, num_beams = self.network.vocabulary.eos_id, request.settings.num_beams
 
-        def beam(params, tokens):
-            alpha = settings.beam_alpha
+        def beam(params, tokens, limit, *normalization):
+            normalization = decoding.Normalization(*normalization)
             hypotheses, scores = decoding.beam_hypotheses(
-                module, params, tokens, max_length, eos_id, settings.num_beams, alpha
+                module, params, tokens, max_length, eos_id, num_beams, normalization, limit
             )
-            return hypotheses, decoding.log_likelihoods(hypotheses, scores, eos_id, alpha)
+            limit = jnp.minimum(limit, max_length)[:, None]
+            likelihoods = decoding.log_likelihoods(hypotheses, scores, eos_id, normalization, limit)
+            return hypotheses, likelihoods
 
-        return self.jit(beam, (self.partitioner.batch_sharding(),))
+        batch = self.partitioner.batch_sharding()
+        program = self.jit(beam, (batch,) * 5)
+        # Compiled here, not at its first call: a later call finds it in jax's caches, and a
+        # server compiles it beside the model's thread (compile_beam).
+        params = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), self.params
+        )
+        args = [((count, bucket), np.int32), ((count,), np.int32)]
+        args += [((count,), np.float32), ((count,), np.float32), ((count,), np.bool_)]
+        program.lower(
+            params, *(jax.ShapeDtypeStruct(s, d, sharding=batch) for s, d in args)
+        ).compile()
+        return program
 
     def _build_score(self, _, count: int, length: int, target_length: int):
         network = self.network

@@ -4,7 +4,8 @@ Requests put rows (one per instance) on a bounded queue and get a future per row
 a group: rows that one compiled program can run together (for a model: the same kind of work,
 the same decoding settings, the same padded input length, the same LoRA adapter). The worker
 takes the oldest row's group, waits up to `max_wait_s` from that row's arrival for more of it,
-then runs the group: `run_group(group, feed)` takes rows from the group's queue through the
+then runs the group (one whose programs compile apart waits for them, others running
+meanwhile): `run_group(group, feed)` takes rows from the group's queue through the
 feed as it has room for them (a continuous batch takes new rows while others are still
 decoding) and answers each row when it is done. A group keeps taking rows until another group's
 oldest row has waited `max_wait_s` or a second (_HOLD_S), whichever is longer, so one busy group
@@ -76,6 +77,7 @@ class Batcher:
         self._count = 0
         self._stopping = False
         self._failure: Exception | None = None
+        self._is_ready: Callable[[Hashable, Callable[[], None]], bool] = lambda group, wake: True
 
     @property
     def depth(self) -> int:
@@ -102,10 +104,23 @@ class Batcher:
             self._ready.notify()
         return [row.future for row in queued]
 
-    def serve(self, run_group: Callable[[Hashable, GroupFeed], None]) -> None:
-        """Runs groups in this thread until `stop` was called and the queue is empty."""
+    def serve(
+        self,
+        run_group: Callable[[Hashable, GroupFeed], None],
+        *,
+        ready: Callable[[Hashable, Callable[[], None]], bool] = lambda group, wake: True,
+    ) -> None:
+        """Runs groups in this thread until `stop` was called and the queue is empty. A group
+        runs once `ready(group, wake)` says so: one that is not (its programs compile apart)
+        waits, others run, and `wake()` says when to ask again."""
+        self._is_ready = ready
         while (group := self._next_group()) is not None:
             self._run(run_group, group)
+
+    def wake(self) -> None:
+        """Ask `ready` again: a group's programs are compiled."""
+        with self._ready:
+            self._ready.notify_all()
 
     def stop(self) -> None:
         """No more rows are taken; `serve` returns once the queued ones are done."""
@@ -134,7 +149,11 @@ class Batcher:
                         return None
                     self._ready.wait()
                     continue
-                group, rows = min(self._groups.items(), key=lambda kv: kv[1][0].arrived)
+                waiting = self._ready_groups()
+                if not waiting:
+                    self._ready.wait()
+                    continue
+                group, rows = min(waiting.items(), key=lambda kv: kv[1][0].arrived)
                 wait = rows[0].arrived + self.limits.max_wait_s - time.monotonic()
                 if len(rows) >= self.limits.max_batch_size or wait <= 0 or self._stopping:
                     return group
@@ -160,9 +179,13 @@ class Batcher:
             self._on_rows(group, len(taken))
         return taken
 
+    def _ready_groups(self) -> dict[Hashable, collections.deque[_Row]]:
+        return {g: rows for g, rows in self._groups.items() if self._is_ready(g, self.wake)}
+
     def _others_waited(self, group: Hashable) -> bool:
         oldest = time.monotonic() - max(self.limits.max_wait_s, _HOLD_S)
-        return any(rows[0].arrived <= oldest for g, rows in self._groups.items() if g != group)
+        waiting = self._ready_groups().items()
+        return any(rows[0].arrived <= oldest for g, rows in waiting if g != group)
 
     def _run(self, run_group: Callable, group: Hashable) -> None:
         feed = GroupFeed(self, group)

@@ -12,14 +12,16 @@ starts; when more rows wait than it has room for, it takes no more, and a larger
 them once its own rows are done. Sampling draws each row from its own key, `fold_in(
 PRNGKey(seed), index of the row in its request)`, the key `t5tpu infer` gives the input at that
 index: a request decodes as `t5tpu infer` of its instances does, whichever requests shared its
-batch. Programs are kept per settings: the server's defaults for good, a bounded number of
-others by last use. With LoRA adapters, every group runs on the adapters' engine (adapters.py),
+batch. Every setting but beam search's width is a value of the warmed programs; a new width's
+programs compile in a thread beside the model's (`ready`), and are kept with a bounded number
+of others by last use. With LoRA adapters, every group runs on the adapters' engine (adapters.py),
 set to its adapter's parameters first (the base's: adapters of zeros).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable
 
 from t5tpu.api import streaming
@@ -69,11 +71,11 @@ class Group:
     ) -> Group:
         # The seed only picks row keys, and the values are each row's (engine.Row's
         # `settings`): rows of every seed, temperature, top_k, top_p, penalty and length share
-        # a batch (ModelWorker._request; max_length 0: each row's). beam_alpha is beam
-        # search's alone.
-        if settings.num_beams == 1:
-            settings = dataclasses.replace(settings, **_VALUES, beam_alpha=0.6, max_length=0)
-        return cls("decode", length, dataclasses.replace(settings, seed=0), adapter, streams)
+        # a batch (ModelWorker._request; max_length 0: each row's), as beam search's rows of
+        # one width do whatever their length penalty, length and num_return_sequences.
+        values = _VALUES if settings.num_beams == 1 else {"num_return_sequences": 1}
+        settings = dataclasses.replace(settings, **values, beam_alpha=0.6, max_length=0, seed=0)
+        return cls("decode", length, settings, adapter, streams)
 
     @classmethod
     def for_scoring(cls, length: int, adapter: str | None = None) -> Group:
@@ -179,6 +181,10 @@ class ModelWorker:
         self.engine = adapters.engine if adapters else model.engine
         self.engine.serve(batch_size=max_batch_size, pinned=self._request(defaults))
         self.batch_sizes = self.engine.slot_counts
+        self._compiling_lock = threading.Lock()
+        self._one_compile = threading.Lock()  # compiles take turns (each keeps a core busy)
+        self._compiling: set[tuple] = set()
+        self._compile_failed: set[tuple] = set()
 
     @property
     def program_count(self) -> int:
@@ -200,6 +206,38 @@ class ModelWorker:
         """Compiles the default settings' decoding programs for every shape a batch can take
         (until `stopping()` says otherwise); returns how many programs are ready."""
         return self.engine.warm_up(self._request(self.defaults), stopping=stopping)
+
+    def ready(self, group: Group, wake: Callable[[], None]) -> bool:
+        """The batcher's `ready`: whether a group's programs exist. Beam search's of a width
+        not met before are compiled in a thread of their own, and `wake()` called when they
+        are, while the model's thread decodes other groups: a request with a new num_beams
+        waits for its compile, the others do not. (Every other setting is a value of the
+        warmed programs.)"""
+        if group.kind != "decode" or group.decoding.num_beams == 1:
+            return True
+        request = self._request(group.decoding)
+        key = (request.family, group.length)
+        with self._compiling_lock:
+            if key in self._compile_failed or self.engine.has_beam_programs(request, key[1]):
+                return True  # a failed compile fails its rows in run_group, with its error
+            if key not in self._compiling:
+                self._compiling.add(key)
+                # A daemon thread: a stop signal need not wait for a compile to end.
+                compiling = (request, key, wake)
+                threading.Thread(target=self._compile_beam, args=compiling, daemon=True).start()
+        return False
+
+    def _compile_beam(self, request: Request, key: tuple, wake: Callable[[], None]) -> None:
+        try:
+            with self._one_compile:
+                self.engine.compile_beam(request, key[1])
+        except Exception:
+            with self._compiling_lock:
+                self._compile_failed.add(key)
+        finally:
+            with self._compiling_lock:
+                self._compiling.discard(key)
+            wake()
 
     def _engine(self, adapter: str | None) -> Engine:
         return self.adapters.engine_for(adapter) if self.adapters else self.engine
@@ -225,7 +263,7 @@ class ModelWorker:
                 listener.progress(decoded.ids)
             elif decoded.state == "left":
                 feed.answer(decoded.row.tag, None)  # no one waits for it now
-            elif request.settings.num_return_sequences > 1:
+            elif (decoded.row.settings or request.settings).num_return_sequences > 1:
                 feed.answer(decoded.row.tag, self._n_best(decoded))
             else:
                 text = self.vocabulary.decode(decoded.ids.tolist())
@@ -244,16 +282,14 @@ class ModelWorker:
     def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
         """A request's own values, which its rows carry (None: the group's do)."""
         settings = self._request(wanted).settings
-        shorter = wanted.num_beams == 1 and wanted.max_length < self.max_target_length
-        return settings if settings.samples or settings.penalizes or shorter else None
+        shorter = wanted.max_length < self.max_target_length
+        own = settings.samples or settings.penalizes or settings.num_beams > 1
+        return settings if own or shorter else None
 
     def _request(self, wanted: Decoding) -> Request:
-        """Greedy's and sampling's programs decode up to the longest output served; a row stops
-        at its own max_length (a value, so no length compiles programs of its own). Beam
-        search's length is its program's."""
+        """Programs decode up to the longest output served; a row stops at its own max_length
+        (a value, so no length compiles programs of its own)."""
         settings = wanted.settings()
-        if wanted.num_beams > 1:
-            return Request(settings, wanted.max_length)
         served = self.max_target_length
         own = wanted.max_length if 0 < wanted.max_length < served else None  # 0: a group's
         return Request(dataclasses.replace(settings, max_new_tokens=own), served)

@@ -6,7 +6,8 @@ uvicorn serves the app on a socket bound here, before anything is loaded, so a p
 one line at start-up; its connections are connections.py's (timeouts, head limits). A second
 SIGTERM or Ctrl-C cuts the drain short: the requests in flight get 503 and the process exits.
 The worker thread loads the model, compiles its programs, then runs the batcher until
-shutdown; jax is called from no other thread. If loading fails, the server stops and the
+shutdown; jax runs programs in no other thread (beam search's of a new width compile in one
+beside it: model_worker.py). If loading fails, the server stops and the
 command exits with the loading error's one line.
 """
 
@@ -82,7 +83,7 @@ class _Worker:
             self.on_failure()
             return
         self.service.ready(model_worker)
-        self.service.batcher.serve(model_worker.run_group)
+        self.service.batcher.serve(model_worker.run_group, ready=model_worker.ready)
 
     def _prepare(self) -> ModelWorker:
         start = time.perf_counter()
