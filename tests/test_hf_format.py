@@ -245,16 +245,32 @@ def test_greedy_with_penalties_decodes_as_transformers_generate(tmp_path):
         np.testing.assert_array_equal(decoded.ids, expected[name][r], err_msg=name)
 
 
+# t5tpu's beam ranking and transformers' length_penalty it equals: T5X's alpha 0 ranks by
+# log-likelihood alone, as length_penalty 0 does; length_penalty is Hugging Face's own rule.
+RANKINGS = {
+    "alpha0": ({"beam_alpha": 0.0}, 0.0),
+    "lp1": ({"length_penalty": 1.0}, 1.0),
+    "lp2.5": ({"length_penalty": 2.5}, 2.5),
+    "lp-1": ({"length_penalty": -1.0}, -1.0),
+}
+
+
+@pytest.mark.parametrize("ranking", RANKINGS)
 @pytest.mark.parametrize("variant", ["1.0", "1.1"])
-def test_n_best_beams_and_their_scores_are_transformers_own(saved, variant):
-    """Beam search's n best with T5X's length penalty alpha 0: the sequences and scores of
-    transformers' beam search with length_penalty 0 (both rank by log-likelihood alone)."""
+def test_n_best_beams_and_their_scores_are_transformers_own(variant, ranking, tmp_path):
+    """Beam search's n best: the sequences and scores of transformers' beam search with the
+    same ranking (its default early_stopping=False rule included). EOS made likelier, so that
+    hypotheses of many lengths compete and the ranking matters."""
     from t5tpu import api
     from t5tpu.model import decoding, engine
 
-    model, directory, _, _ = saved[variant]
+    model, directory = _hf_model(variant), str(tmp_path)
+    with torch.no_grad():
+        model.lm_head.weight[EOS] *= 3
+    model.save_pretrained(directory)
     inputs, _ = _batch()
     length, beams, n = 8, 4, 3
+    ours, length_penalty = RANKINGS[ranking]
     with torch.no_grad():
         out = model.generate(
             input_ids=torch.tensor(inputs),
@@ -262,7 +278,7 @@ def test_n_best_beams_and_their_scores_are_transformers_own(saved, variant):
             max_new_tokens=length,
             num_beams=beams,
             num_return_sequences=n,
-            length_penalty=0.0,
+            length_penalty=length_penalty,
             early_stopping=False,
             do_sample=False,
             decoder_start_token_id=0,
@@ -275,16 +291,23 @@ def test_n_best_beams_and_their_scores_are_transformers_own(saved, variant):
     sequences = out.sequences.numpy()[:, 1:]
     want[:, : sequences.shape[1]] = sequences
     want = want.reshape(len(inputs), n, length)
+    # transformers fills after EOS with EOS when the pad id is 0 (`pad_token_id or eos`).
+    want[np.cumsum(want == EOS, axis=-1) - (want == EOS) > 0] = 0
     loaded = api.load(directory, batch_size=4, max_target_length=length)
-    settings = {"num_beams": beams, "num_return_sequences": n, "beam_alpha": 0.0}
+    settings = {"num_beams": beams, "num_return_sequences": n, **ours}
     np.testing.assert_array_equal(loaded.generate_ids(inputs, **settings), want)
     assert len({tuple(s) for row in want for s in row}) > len(inputs)  # n distinct a row
     rows = [[int(i) for i in row if i] for row in inputs]
     request = engine.Request(decoding.DecodingSettings(**settings), length)
     scores = np.stack([d.scores for d in loaded.engine.decoded(rows, request)])
-    np.testing.assert_allclose(
-        scores, out.sequences_scores.numpy().reshape(len(inputs), n), rtol=1e-4, atol=1e-4
-    )
+    # transformers' scores are normalized, t5tpu's the log-likelihoods: length ** penalty apart.
+    ended = want == EOS
+    lengths = np.where(ended.any(-1), ended.argmax(-1) + 1, length)
+    normalized = out.sequences_scores.numpy().reshape(len(inputs), n)
+    np.testing.assert_allclose(scores, normalized * lengths**length_penalty, rtol=1e-4, atol=1e-4)
+    if length_penalty > 2:  # a strong preference for long hypotheses changes what is found
+        alpha0 = loaded.generate_ids(inputs, num_beams=beams, num_return_sequences=n, beam_alpha=0)
+        assert not np.array_equal(alpha0, want)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

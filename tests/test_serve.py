@@ -333,7 +333,7 @@ def test_a_new_beam_width_compiles_beside_the_model_thread(served, api_model):
     assert greedy["predictions"] == api_model.predict(INPUTS[:1])
     # Row counts 1 and 4 at the input's bucket: one program each.
     assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered + 2
-    others = [{"beam_alpha": 0.0}, {"max_length": 2}]
+    others = [{"beam_alpha": 0.0}, {"length_penalty": 2.0}, {"max_length": 2}]
     others.append({"num_return_sequences": 2})
     for parameters in others:
         parameters["num_beams"] = 5
@@ -379,6 +379,13 @@ BAD_REQUESTS = [
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"beams": 2}}, 400, "'beams'"),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": []}, 400, "must be an object"),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"num_beams": 0}}, 400, "num_beams"),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"num_beams": 2, "length_penalty": "1"}},
+        400,
+        "length_penalty",
+    ),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"max_length": 5}}, 400, "1 to 4"),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"top_k": True}}, 400, "top_k"),
     (

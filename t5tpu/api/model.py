@@ -149,18 +149,20 @@ class T5Model:
         min_new_tokens: int | None = None,
         beam_alpha: float | None = None,
         num_return_sequences: int | None = None,
+        length_penalty: float | None = None,
     ) -> np.ndarray:
         """[len(input_ids), max_new_tokens] decoded ids, each row ending at EOS then zeros;
         [len(input_ids), num_return_sequences, max_new_tokens] with beam search's n best.
 
         input_ids: rows of token ids (a 2-D array with 0 as padding, or lists), ending with EOS
         as a tokenizer writes them. num_beams > 1 is beam search (T5X's length penalty
-        beam_alpha, the run's or 0.6; 0 ranks by log-likelihood alone, as Hugging Face's
-        length_penalty 0 does); temperature > 0 samples (from the top_k most likely tokens
-        when top_k > 0, then the fewest whose probability reaches top_p when it is below 1, as
-        Hugging Face's warpers do), seeded. Greedy and sampling take Hugging Face's
-        repetition_penalty, no_repeat_ngram_size and min_new_tokens. Each setting left None is
-        the run's (`decoding_defaults`), the length the model's max_target_length.
+        beam_alpha, the run's or 0.6; 0 ranks by log-likelihood alone; or, given, Hugging
+        Face's length_penalty and stopping rule, as its generate does); temperature > 0
+        samples (from the top_k most likely tokens when top_k > 0, then the fewest whose
+        probability reaches top_p when it is below 1, as Hugging Face's warpers do), seeded.
+        Greedy and sampling take Hugging Face's repetition_penalty, no_repeat_ngram_size and
+        min_new_tokens. Each setting left None is the run's (`decoding_defaults`), the length
+        the model's max_target_length.
         """
         request = self._settings(
             max_length=max_new_tokens,
@@ -174,6 +176,7 @@ class T5Model:
             min_new_tokens=min_new_tokens,
             beam_alpha=beam_alpha,
             num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty,
         )
         return self._generate(_ids_rows(input_ids), request)
 
@@ -233,6 +236,7 @@ class T5Model:
         min_new_tokens: int | None = None,
         beam_alpha: float | None = None,
         num_return_sequences: int | None = None,
+        length_penalty: float | None = None,
         exact_inputs: bool = False,
     ) -> list[str] | list[list[str]]:
         """The model's output text for each input (a list of num_return_sequences, best
@@ -251,6 +255,7 @@ class T5Model:
             min_new_tokens=min_new_tokens,
             beam_alpha=beam_alpha,
             num_return_sequences=num_return_sequences,
+            length_penalty=length_penalty,
         )
         rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
         return self._predict_texts(rows, first=0, settings=settings)
@@ -365,7 +370,7 @@ class T5Model:
 _SETTINGS = (
     *("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs"),
     *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
-    *("beam_alpha", "num_return_sequences"),
+    *("beam_alpha", "num_return_sequences", "length_penalty"),
 )
 
 

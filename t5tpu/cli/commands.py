@@ -97,7 +97,11 @@ _PACKING = Macro("USE_PACKING", "False", "pack several examples into one row")
 _EVAL_SPLIT = Macro("EVAL_SPLIT", "'validation'", "the split eval reads")
 _EVAL_BATCH_SIZE = Macro("EVAL_BATCH_SIZE", "32", "eval's batch size")
 _CHECKPOINT_STEP = "'latest', 'all' or a step"
-_NUM_BEAMS = Macro("NUM_BEAMS", "1", "above 1: beam search (length penalty 0.6)")
+_BEAMS = (
+    Macro("NUM_BEAMS", "1", "above 1: beam search"),
+    Macro("BEAM_ALPHA", "0.6", "beam search's length penalty, T5X's ((5 + n) / 6) ** alpha"),
+    Macro("LENGTH_PENALTY", "None", "else Hugging Face's: n ** LENGTH_PENALTY, its stopping rule"),
+)
 
 TRAIN = GinCommand(
     name="train",
@@ -155,7 +159,7 @@ EVAL = GinCommand(
         _EVAL_BATCH_SIZE,
         Macro("EVAL_NUM_EXAMPLES", "None", "evaluate only the first N examples (None: all)"),
         Macro("EVAL_OUTPUT_DIR", "None", "where metrics go (None: MODEL_DIR)"),
-        _NUM_BEAMS,
+        *_BEAMS,
     ),
     example=f"t5tpu eval --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
     "--gin.CHECKPOINT_STEP=\"'all'\"",
@@ -194,7 +198,7 @@ INFER = GinCommand(
         Macro("NO_REPEAT_NGRAM_SIZE", "0", "n: no n-gram decoded twice (0: off)"),
         Macro("MIN_NEW_TOKENS", "0", "end-of-sequence forbidden before this many tokens"),
         Macro("NUM_RETURN_SEQUENCES", "1", "beam search's n best per input, with scores"),
-        _NUM_BEAMS,
+        *_BEAMS,
     ),
     example=f"t5tpu infer --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
     "--gin.INFER_INPUT_FILE=\"'examples/questions.txt'\"",

@@ -71,6 +71,8 @@ LIMITS: dict[str, Limit] = {
     "RANDOM_SEED": _count("0"),
     "DROPOUT_RATE": Limit(validators.number(low=0, below=1), "0.1"),
     "NUM_BEAMS": _positive("4"),
+    "BEAM_ALPHA": Limit(validators.number(low=0), "0.6"),
+    "LENGTH_PENALTY": Limit(validators.optional(validators.number()), "1.0"),
     "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
     "TOP_K": _count("40"),
     "TOP_P": Limit(validators.number(above=0), "0.9"),

@@ -88,7 +88,7 @@ def infer_decoding(recorded: DecodingSettings | None = None) -> DecodingSettings
         value = gin_setup.bound_value(f"infer.{name}")
         if value is None or value is gin.REQUIRED:
             value = getattr(recorded, field.name) if recorded else parameters[name].default
-        if field.type == "float" and validators.is_number(value):
+        if field.type in ("float", "float | None") and validators.is_number(value):
             value = float(value)
         values[field.name] = value
     return DecodingSettings(**values)

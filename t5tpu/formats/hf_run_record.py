@@ -58,7 +58,9 @@ def generation_config(record: RunRecord | None) -> dict:
         "num_return_sequences": (decoding.num_return_sequences, 1),
     }
     fields.update((name, value) for name, (value, off) in penalties.items() if value != off)
-    if decoding.num_beams > 1 and decoding.beam_alpha == 0:
+    if decoding.num_beams > 1 and decoding.length_penalty is not None:
+        fields.update(length_penalty=decoding.length_penalty, early_stopping=False)
+    elif decoding.num_beams > 1 and decoding.beam_alpha == 0:
         fields["length_penalty"] = 0.0  # both rank by log-likelihood alone: the same beams
     return fields
 
@@ -77,7 +79,8 @@ def notes(record: RunRecord | None) -> list[str]:
             "the run lower-cased its questions and dropped double quotes, which transformers "
             "does not do: lower-case inputs before the pipeline"
         )
-    if record.decoding.num_beams > 1 and record.decoding.beam_alpha != 0:
+    hf_rule = record.decoding.length_penalty is not None
+    if record.decoding.num_beams > 1 and record.decoding.beam_alpha != 0 and not hf_rule:
         found.append(
             f"beam search's length penalty is T5X's (alpha {record.decoding.beam_alpha:g}); "
             "transformers' length_penalty is another formula, so its beams may differ"

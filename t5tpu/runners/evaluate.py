@@ -155,6 +155,7 @@ def evaluate(
     partitioner: Partitioner | None = None,
     num_beams: int = 1,
     beam_alpha: float = 0.6,
+    length_penalty: float | None = None,
     poll_seconds: float = 30.0,
     wait_seconds: float = 3600.0,
 ) -> dict:
@@ -165,7 +166,9 @@ def evaluate(
     Results go to `output_dir` (EVAL_OUTPUT_DIR), else MODEL_DIR. Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
-    settings = decoding.DecodingSettings(num_beams=num_beams, beam_alpha=beam_alpha)
+    settings = decoding.DecodingSettings(
+        num_beams=num_beams, beam_alpha=beam_alpha, length_penalty=length_penalty
+    )
     settings.check(model.config.vocab_size)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)

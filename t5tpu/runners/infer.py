@@ -443,6 +443,7 @@ def infer(
     no_repeat_ngram_size: int = 0,
     min_new_tokens: int = 0,
     num_return_sequences: int = 1,
+    length_penalty: float | None = None,
     mixture_or_task_module: str | None = None,
     output_dir: str | None = None,
     truncation: str = "warn",
@@ -454,9 +455,19 @@ def infer(
     chunks, into `output_dir` (else MODEL_DIR), texts shaped as the run's (_Inputs)."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    chosen = (temperature, top_k, num_beams, beam_alpha, random_seed, top_p)  # their order
-    penalties = (repetition_penalty, no_repeat_ngram_size, min_new_tokens, num_return_sequences)
-    settings = decoding.DecodingSettings(*chosen, *penalties)
+    settings = decoding.DecodingSettings(
+        temperature=temperature,
+        top_k=top_k,
+        num_beams=num_beams,
+        beam_alpha=beam_alpha,
+        seed=random_seed,
+        top_p=top_p,
+        repetition_penalty=repetition_penalty,
+        no_repeat_ngram_size=no_repeat_ngram_size,
+        min_new_tokens=min_new_tokens,
+        num_return_sequences=num_return_sequences,
+        length_penalty=length_penalty,
+    )
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")

@@ -41,7 +41,9 @@ def file_name(
     if exact_inputs:
         name += "-exact"
     if settings.num_beams > 1:
-        name += f"-beam{settings.num_beams}-alpha{settings.beam_alpha:g}"
+        lp = settings.length_penalty  # Hugging Face's normalization, in place of T5X's alpha
+        rank = f"-alpha{settings.beam_alpha:g}" if lp is None else f"-lp{lp:g}"
+        name += f"-beam{settings.num_beams}{rank}"
         returned = settings.num_return_sequences
         name += f"-n{returned}" if returned > 1 else ""
     elif settings.samples:

@@ -74,6 +74,7 @@ class Group:
         # a batch (ModelWorker._request; max_length 0: each row's), as beam search's rows of
         # one width do whatever their length penalty, length and num_return_sequences.
         values = _VALUES if settings.num_beams == 1 else {"num_return_sequences": 1}
+        values = {**values, "length_penalty": None}
         settings = dataclasses.replace(settings, **values, beam_alpha=0.6, max_length=0, seed=0)
         return cls("decode", length, settings, adapter, streams)
 

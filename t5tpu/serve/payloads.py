@@ -15,7 +15,7 @@ import json
 from collections.abc import Callable, Sequence
 
 from t5tpu import validators
-from t5tpu.model.decoding import PENALTIES, TEMPERATURES, DecodingSettings
+from t5tpu.model.decoding import LENGTH_PENALTIES, PENALTIES, TEMPERATURES, DecodingSettings
 from t5tpu.tasks.serving import Field, Route
 
 # Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
@@ -25,7 +25,7 @@ _MAX_SEED = 2**31 - 1
 DECODING_PARAMETERS = (
     *("num_beams", "max_length", "temperature", "top_k", "top_p", "seed"),
     *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
-    *("beam_alpha", "num_return_sequences"),
+    *("beam_alpha", "num_return_sequences", "length_penalty"),
 )
 # The parameter naming the task whose route a request uses.
 TASK = "task"
@@ -66,6 +66,7 @@ class Decoding:
     min_new_tokens: int = 0
     beam_alpha: float = 0.6
     num_return_sequences: int = 1
+    length_penalty: float | None = None
 
     def settings(self) -> DecodingSettings:
         """The engine's settings for these, the length limit a row's own (max_new_tokens)."""
@@ -292,6 +293,7 @@ def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
         num_return_sequences=_whole(
             parameters, "num_return_sequences", 1, MAX_NUM_BEAMS, defaults.num_return_sequences
         ),
+        length_penalty=_length_penalty(parameters, defaults.length_penalty),
     )
     if decoding.num_return_sequences > max(decoding.num_beams, 1):
         raise PayloadError(
@@ -324,6 +326,17 @@ def _beam_alpha(parameters: dict, default: float) -> float:
     if not (validators.is_number(value) and 0 <= value <= 10):
         raise PayloadError(f"parameter beam_alpha = {json.dumps(value)} must be from 0 to 10")
     return float(value)
+
+
+def _length_penalty(parameters: dict, default: float | None) -> float | None:
+    value = parameters.get("length_penalty", default)
+    low, high = LENGTH_PENALTIES
+    if value is not None and not (validators.is_number(value) and low <= value <= high):
+        raise PayloadError(
+            f"parameter length_penalty = {json.dumps(value)} must be null (T5X's beam_alpha) or "
+            f"a number from {low:g} to {high:g} (Hugging Face's exponent)"
+        )
+    return None if value is None else float(value)
 
 
 def _repetition_penalty(parameters: dict, default: float) -> float:
