@@ -38,7 +38,7 @@ from t5tpu.formats import (
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import lora
 from t5tpu.model.network import T5Config
-from t5tpu.storage import atomic_files, checkpoints, remote, save_guards
+from t5tpu.storage import atomic_files, checkpoints, locations, remote, save_guards
 from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
 
 # Geometry fields written into model.gin, in this order.
@@ -55,10 +55,6 @@ _GEOMETRY = (
     "relative_attention_num_buckets",
     "relative_attention_max_distance",
 )
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +100,8 @@ def _parent(path: str) -> str:
 def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
     """Refuses to write into a non-empty directory without --overwrite, and to write where
     the input is (which --overwrite would delete)."""
-    inside = os.path.join(_absolute(input_path), "").startswith(
-        os.path.join(_absolute(output_dir), "")
+    inside = os.path.join(locations.absolute(input_path), "").startswith(
+        os.path.join(locations.absolute(output_dir), "")
     )
     if inside:
         raise UserError(f"--output_dir={output_dir} contains --input; choose another directory")
@@ -148,7 +144,7 @@ def _written_output(output_dir: str) -> Iterator[str]:
     (--overwrite) only once the block completes. On a failure the staging folder goes, and
     `output_dir` too if this run made it: what was there is as it was, and the same command
     can be rerun. On gs://, where a rename is a copy, the output is written in place."""
-    if "://" in output_dir:
+    if locations.is_remote(output_dir):
         _replace_output(output_dir)
         yield output_dir
         return
@@ -224,7 +220,7 @@ def to_t5tpu(
     params = reader.load(checkpoint_reader.abstract_params(config))
     vocabulary = reader.vocabulary()
 
-    output_dir = _absolute(output_dir)
+    output_dir = locations.absolute(output_dir)
     checkpoint = checkpoint_dir(output_dir, step)
     model_file = vocabulary.model_file and epath.Path(vocabulary.model_file).read_bytes()
     if model_file:  # model.gin names the copy, which moves with the checkpoint

@@ -31,7 +31,7 @@ from t5tpu.errors import UserError
 from t5tpu.formats import checkpoint_reader, hf_format, mesh_tf_format, t5x_format
 from t5tpu.model import layer_stacking, lora, precision
 from t5tpu.model.network import T5Config
-from t5tpu.storage import adapted_checkpoints, checkpoints, remote
+from t5tpu.storage import adapted_checkpoints, checkpoints, locations, remote
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.adapted_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
@@ -46,10 +46,6 @@ IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
 BASE_SETTING = "the LoRA run's base"
 
 
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepDir:
     """A t5tpu checkpoint_<step> directory: its MODEL_DIR (absolute, as orbax needs) and step."""
@@ -60,7 +56,7 @@ class StepDir:
 
 def _named_step_dir(path: str) -> StepDir | None:
     """The StepDir that `path` names (checkpoint_<step>), from its name alone, else None."""
-    path = _absolute(path.rstrip("/"))
+    path = locations.absolute(path.rstrip("/"))
     step = paths.step_of(path)
     return None if step is None else StepDir(os.path.dirname(path), step)
 
@@ -140,7 +136,7 @@ def open_checkpoint(
 def in_model_dir(model_dir: str, step: int) -> Checkpoint:
     """Checkpoint `step` of a t5tpu MODEL_DIR, known to be there (the runners list the steps
     first), with its LoRA record if it is a LoRA run's."""
-    model_dir = _absolute(model_dir.rstrip("/"))
+    model_dir = locations.absolute(model_dir.rstrip("/"))
     # A damaged one is refused in one line before orbax reads it: its metadata in a traceback,
     # or a restore that fails part-way, its worker threads printing tracebacks.
     checkpoints.check_readable(model_dir, step)

@@ -48,7 +48,7 @@ from t5tpu.partitioning import Partitioner
 from t5tpu.runners import adapted_run
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints, remote
+from t5tpu.storage import checkpoints, locations, remote
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.storage.writer_lock import WriterLock
@@ -176,7 +176,7 @@ def _sole_writer(model_dir: str):
     finally:
         if lock:
             lock.release()
-        if created and "://" not in model_dir and not os.listdir(model_dir):
+        if created and not locations.is_remote(model_dir) and not os.listdir(model_dir):
             os.rmdir(model_dir)
 
 

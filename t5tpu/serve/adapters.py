@@ -26,7 +26,13 @@ from t5tpu.errors import UserError
 from t5tpu.model import lora, precision
 from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
-from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints, run_record
+from t5tpu.storage import (
+    adapted_checkpoints,
+    base_fingerprint,
+    checkpoints,
+    locations,
+    run_record,
+)
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.adapted_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
@@ -59,18 +65,14 @@ def _spec(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
 def open_adapter(text: str) -> AdapterCheckpoint:
     """The adapter `--adapter=NAME=PATH` names: PATH's newest checkpoint, or PATH itself."""
     from t5tpu.api import loading
 
     name, given = _spec(text)
-    if "://" not in given and not os.path.exists(given):
+    if not locations.is_remote(given) and not os.path.exists(given):
         raise UserError(f"--adapter {name}={given} does not exist; give a LoRA run's MODEL_DIR")
-    path = _absolute(loading.checkpoint_path(given).rstrip("/"))
+    path = locations.absolute(loading.checkpoint_path(given).rstrip("/"))
     step = paths.step_of(path)
     if step is None:
         raise UserError(

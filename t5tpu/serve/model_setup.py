@@ -28,6 +28,7 @@ from t5tpu.runners import run_lengths
 from t5tpu.serve import adapters as lora_adapters
 from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
 from t5tpu.serve.payloads import Decoding
+from t5tpu.storage import locations
 from t5tpu.storage.run_record import RunRecord
 
 STORAGE_URI = "AIP_STORAGE_URI"
@@ -76,7 +77,7 @@ def _path(model: str | None, model_dir, environ: dict) -> str:
             "no model to serve: pass --model=PATH, or --gin_file=... with "
             "--gin.MODEL_DIR=\"'/path/to/run'\" (Vertex AI sets AIP_STORAGE_URI)"
         )
-    if "://" not in path and not os.path.exists(path):
+    if not locations.is_remote(path) and not os.path.exists(path):
         raise UserError(f"the model {path} does not exist; check --model or MODEL_DIR")
     return str(path)
 
