@@ -25,7 +25,8 @@ from t5tpu.formats import loader
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners.run_lengths import DEFAULT_LENGTHS
-from t5tpu.runtime import compilation_cache, lazy_imports
+from t5tpu.runtime import lazy_imports
+from t5tpu.storage import compilation_cache
 from t5tpu.training import trainer
 
 # The shapes parameters are laid out for; any length works at call time (relative positions).
