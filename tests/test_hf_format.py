@@ -23,8 +23,9 @@ from tiny import tiny_config
 
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, hf_format
+from t5tpu.formats import hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
+from t5tpu.model import param_shapes
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
 
@@ -93,7 +94,7 @@ def saved(tmp_path_factory):
         model.save_pretrained(directory)
         checkpoint = hf_format.HFCheckpoint(directory)
         config = checkpoint.config()
-        params = checkpoint.load(checkpoint_reader.abstract_params(config))
+        params = checkpoint.load(param_shapes.abstract_params(config, unrolled=True))
         out[variant] = (model, directory, config, params)
     return out
 
@@ -308,7 +309,7 @@ def test_export_gives_identical_tensors_and_logits(saved, variant, tmp_path):
 
 def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
     model, _, config, params = saved["1.1"]
-    abstract = checkpoint_reader.abstract_params(config)
+    abstract = param_shapes.abstract_params(config, unrolled=True)
     sharded, torch_dir = str(tmp_path / "sharded"), str(tmp_path / "torch")
     model.save_pretrained(sharded, max_shard_size="100KB")
     model.save_pretrained(torch_dir, safe_serialization=False)
@@ -322,8 +323,8 @@ def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
 
 def test_refuses_another_geometry_listing_names_and_shapes(saved):
     _, directory, config, _ = saved["1.1"]
-    other = checkpoint_reader.abstract_params(
-        T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3})
+    other = param_shapes.abstract_params(
+        T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3}), unrolled=True
     )
     with pytest.raises(UserError) as error:
         hf_format.HFCheckpoint(directory).load(other)
@@ -340,7 +341,7 @@ def test_t5_1_0_checkpoint_is_refused_by_a_t5_1_1_model(saved):
     _, directory, config, _ = saved["1.0"]
     gated = T5Config(**{**config.__dict__, "mlp_activations": ("gelu", "linear")})
     with pytest.raises(UserError, match=r"wi_0\.weight: missing"):
-        hf_format.HFCheckpoint(directory).load(checkpoint_reader.abstract_params(gated))
+        hf_format.HFCheckpoint(directory).load(param_shapes.abstract_params(gated, unrolled=True))
 
 
 def test_spiece_model_is_picked_up_as_the_vocabulary(saved, tmp_path):
@@ -415,7 +416,7 @@ FLAN_T5_SMALL = {
 
 @pytest.mark.parametrize("hf_config, count", [(T5_SMALL, 60_506_624), (FLAN_T5_SMALL, 76_961_152)])
 def test_published_configs_give_the_published_parameter_counts(hf_config, count):
-    abstract = checkpoint_reader.abstract_params(hf_format.config_from_hf(hf_config))
+    abstract = param_shapes.abstract_params(hf_format.config_from_hf(hf_config), unrolled=True)
     assert sum(math.prod(s) for s in checkpoints.flat_shapes(abstract).values()) == count
 
 

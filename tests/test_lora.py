@@ -23,6 +23,7 @@ from cli_runs import ROOT, file_digests, start, succeeded, t5tpu
 import t5tpu as api
 from t5tpu.cli import convert as convert_command
 from t5tpu.errors import UserError
+from t5tpu.model import param_shapes
 
 pytestmark = pytest.mark.slow
 
@@ -270,12 +271,12 @@ def test_the_loader_merges_as_a_served_program_would_and_casts(short_run):
     """formats/loader.py on a LoRA checkpoint, from its MODEL_DIR or its checkpoint directory:
     merged, its base rounded as trained; apart, then merged inside a jitted program as serve's
     engine rounds the base, the same bits; in bfloat16 when asked."""
-    from t5tpu.formats import checkpoint_reader, loader
+    from t5tpu.formats import loader
     from t5tpu.model import lora
 
     checkpoint = loader.open_checkpoint(short_run)
     assert checkpoint.path == os.path.join(short_run, f"checkpoint_{BASE_STEPS + 8}")
-    abstract = checkpoint_reader.abstract_params(checkpoint.model().config)
+    abstract = param_shapes.abstract_params(checkpoint.model().config, unrolled=True)
     merged = jax.device_get(checkpoint.load(abstract))
     parts = checkpoint.load_apart(abstract)
 

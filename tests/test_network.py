@@ -16,6 +16,7 @@ from tiny import tiny_config
 from t5tpu.errors import UserError
 from t5tpu.model import layers
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.param_shapes import abstract_params
 
 VARIANTS = {
     "t5_1_0": dict(mlp_activations=("relu",), logits_via_embedding=True),
@@ -261,13 +262,6 @@ def _loss_and_grads(config: T5Config, params, enc, dec, targets, dropout_seed=No
         return -jnp.mean(jnp.take_along_axis(log_probs, targets[..., None], axis=-1))
 
     return jit(jax.value_and_grad(loss_fn))(params)
-
-
-def abstract_params(config: T5Config):
-    """Parameter shapes and dtypes, traced without computing anything."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
-    return nn.unbox(variables["params"])
 
 
 # Deterministic for one variant, with dropout (same rng, so the same masks) for the other.

@@ -277,7 +277,7 @@ def _fine_tune_accuracy(dtype: str, steps: int = 300) -> float:
     model = EncoderDecoderModel(tiny_config(dtype=dtype), vocabulary)
     optimizer, partitioner = optim.adamw(1e-3), Partitioner()
     lengths = (COPY_LENGTH, COPY_LENGTH)
-    _, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    _, shardings = trainer.state_shardings(model, optimizer, partitioner)
     state = trainer.initial_state(model, optimizer, jax.random.PRNGKey(0), *lengths)
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
     rng = np.random.default_rng(0)

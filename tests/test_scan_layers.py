@@ -327,7 +327,7 @@ def _worker() -> dict:
     initial = jax.device_get(trainer.TrainState(np.int32(0), params, optimizer.init(params)))
 
     def train(model, partitioner):
-        _, shardings = trainer.state_shardings(model, optimizer, partitioner, 16, 8)
+        _, shardings = trainer.state_shardings(model, optimizer, partitioner)
         start = initial
         if model.config.scan_layers:
             start = layer_stacking.stack_layers(initial)  # parameters and moments

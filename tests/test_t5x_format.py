@@ -19,7 +19,8 @@ from t5x_checkpoints import (
 )
 
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, loader, t5x_format
+from t5tpu.formats import loader, t5x_format
+from t5tpu.model import param_shapes
 from t5tpu.model.network import T5Config
 
 
@@ -33,7 +34,9 @@ def checkpoint(request, tmp_path_factory):
 
 def test_imports_every_parameter_exactly(checkpoint):
     config, params, path = checkpoint
-    imported = t5x_format.T5XCheckpoint(path).load(checkpoint_reader.abstract_params(config))
+    imported = t5x_format.T5XCheckpoint(path).load(
+        param_shapes.abstract_params(config, unrolled=True)
+    )
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = expected_values(params)
     assert sorted(flat) == sorted(expected)
@@ -54,7 +57,7 @@ def test_geometry_and_step_come_from_the_checkpoint(checkpoint):
 
 def test_open_checkpoint_detects_the_directory_and_the_index_file(checkpoint):
     config, params, path = checkpoint
-    abstract = checkpoint_reader.abstract_params(config)
+    abstract = param_shapes.abstract_params(config, unrolled=True)
     assert loader.detect_format(path) == "t5x"
     assert loader.detect_format(os.path.join(path, "checkpoint")) == "t5x"
     for given in (path, os.path.join(path, "checkpoint")):
@@ -66,7 +69,7 @@ def test_open_checkpoint_detects_the_directory_and_the_index_file(checkpoint):
 
 def test_shardings_place_each_parameter(checkpoint):
     config, _, path = checkpoint
-    abstract = checkpoint_reader.abstract_params(config)
+    abstract = param_shapes.abstract_params(config, unrolled=True)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
     imported = loader.open_checkpoint(path).load(abstract, shardings)
@@ -78,7 +81,7 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
     config, _, path = checkpoint
     wider = T5Config(**{**config.__dict__, "num_heads": 4})
     with pytest.raises(UserError) as error:
-        t5x_format.T5XCheckpoint(path).load(checkpoint_reader.abstract_params(wider))
+        t5x_format.T5XCheckpoint(path).load(param_shapes.abstract_params(wider, unrolled=True))
     message = str(error.value)
     assert f"T5X checkpoint {path} has another geometry" in message
     key = "decoder/layers_0/encoder_decoder_attention/key/kernel"

@@ -19,15 +19,13 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
 from t5tpu.errors import UserError
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.network import T5Config
 from t5tpu.storage.checkpoints import flat_shapes, geometry_differences
 from t5tpu.storage.run_record import RunRecord
 
@@ -274,12 +272,3 @@ def config_from_flat_shapes(
         logits_via_embedding=not has("decoder/logits_dense/kernel"),
         relative_attention_num_buckets=num_buckets,
     )
-
-
-def abstract_params(config: T5Config):
-    """Parameter shapes of a model with this geometry, without allocating it, in the layers_N
-    layout that every checkpoint format uses (whatever config.scan_layers says)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
-    variables = jax.eval_shape(unrolled.init, jax.random.PRNGKey(0), tokens, tokens)
-    return nn.unbox(variables["params"])

@@ -27,7 +27,6 @@ from etils import epath
 
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
-    checkpoint_reader,
     hf_format,
     hf_run_record,
     hf_tokenizer,
@@ -36,7 +35,7 @@ from t5tpu.formats import (
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import lora
+from t5tpu.model import lora, param_shapes
 from t5tpu.model.network import T5Config
 from t5tpu.storage import atomic_files, checkpoints, locations, remote, save_guards
 from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
@@ -217,7 +216,7 @@ def to_t5tpu(
     reader = loader.IMPORTERS[source](input_path)
     config = reader.config()
     step = reader.step
-    params = reader.load(checkpoint_reader.abstract_params(config))
+    params = reader.load(param_shapes.abstract_params(config, unrolled=True))
     vocabulary = reader.vocabulary()
 
     output_dir = locations.absolute(output_dir)
@@ -265,7 +264,7 @@ LORA_OUTPUTS = ("merged", "adapters", "base")
 
 def _export_adapters(checkpoint: loader.Checkpoint, config: T5Config, output_dir: str) -> None:
     """A LoRA checkpoint's adapters alone, in PEFT's format."""
-    adapters = checkpoint.adapters(checkpoint_reader.abstract_params(config))
+    adapters = checkpoint.adapters(param_shapes.abstract_params(config, unrolled=True))
     with _written_output(output_dir) as folder:
         peft_format.export(jax.device_get(adapters), checkpoint.lora.settings, config, folder)
     print(
@@ -303,7 +302,7 @@ def to_hf(
     if lora_output == "adapters":
         _export_adapters(checkpoint, model.config, output_dir)
         return
-    abstract = checkpoint_reader.abstract_params(model.config)
+    abstract = param_shapes.abstract_params(model.config, unrolled=True)
     if lora_output == "base":
         parts = checkpoint.load_apart(abstract)
         params = lora.base_as_trained(parts.base, parts.settings.base_dtype)

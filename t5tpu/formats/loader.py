@@ -29,7 +29,7 @@ from t5tpu.config import checkpoint_gin
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import checkpoint_reader, hf_format, mesh_tf_format, t5x_format
-from t5tpu.model import layer_stacking, lora, precision
+from t5tpu.model import layer_stacking, lora, param_shapes, precision
 from t5tpu.model.network import T5Config
 from t5tpu.storage import adapted_checkpoints, checkpoints, locations, remote
 from t5tpu.storage import model_dir as paths
@@ -333,7 +333,7 @@ def _gin_model() -> _GinModel:
     return _GinModel(
         config=config,
         vocabulary=vocab.default_vocabulary() if bound else None,
-        shapes=checkpoints.flat_shapes(checkpoint_reader.abstract_params(config)),
+        shapes=checkpoints.flat_shapes(param_shapes.abstract_params(config, unrolled=True)),
     )
 
 

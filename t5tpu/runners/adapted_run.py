@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.model import encoder_decoder, lora
+from t5tpu.model import encoder_decoder, lora, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.storage import adapted_checkpoints, checkpoints
@@ -97,8 +97,8 @@ class AdaptedStepSetup:
     ) -> AdaptedStepSetup:
         reference = _base_reference(mngr, start)
         adapted = encoder_decoder.adapted_model(model, settings)
-        shapes = frozen_base.state_shardings(adapted, optimizer, partitioner, *lengths)
-        abstract, eval_shardings = trainer.abstract_params(model, partitioner, *lengths)
+        shapes = frozen_base.state_shardings(adapted, optimizer, partitioner)
+        abstract, eval_shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
         from t5tpu.formats import loader  # as runners/train.py: TensorFlow on first use
 
         if start.resume:

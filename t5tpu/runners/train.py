@@ -110,7 +110,7 @@ class StepSetup:
 
     @classmethod
     def build(cls, *, model, optimizer, partitioner, lengths, num_microbatches) -> StepSetup:
-        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner)
         return cls(model, optimizer, partitioner, lengths, num_microbatches, abstract, shardings)
 
     def compiled_step(self):

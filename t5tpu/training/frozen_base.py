@@ -14,7 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5tpu.model import lora
+from t5tpu.model import lora, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import trainer
@@ -51,11 +51,11 @@ class FrozenBaseShapes:
 
 
 def state_shardings(
-    model: EncoderDecoderModel, optimizer, partitioner: Partitioner, input_length, target_length
+    model: EncoderDecoderModel, optimizer, partitioner: Partitioner
 ) -> FrozenBaseShapes:
     """Like trainer.state_shardings for the adapted `model`: adapters and their moments are
     partitioned by their logical axes, like the kernels they adapt; the base likewise."""
-    boxed = trainer.boxed_abstract_params(model, input_length, target_length)
+    boxed = param_shapes.boxed_abstract_params(model.config)
     boxed_base, boxed_adapters = lora.split(boxed)
     adapters = nn.unbox(boxed_adapters)
     abstract = jax.eval_shape(
