@@ -30,12 +30,6 @@ from t5tpu.runtime import lazy_imports
 from t5tpu.storage import compilation_cache
 
 
-def checkpoint_path(path: str, step: int | None = None) -> str:
-    """The checkpoint `load(path, step=step)` reads: a MODEL_DIR's newest readable one (or
-    `step`'s), else `path` itself."""
-    return loader.checkpoint_path(path, step)
-
-
 def load(
     path: str,
     *,

@@ -54,7 +54,7 @@ class StepDir:
     step: int
 
 
-def _named_step_dir(path: str) -> StepDir | None:
+def named_step_dir(path: str) -> StepDir | None:
     """The StepDir that `path` names (checkpoint_<step>), from its name alone, else None."""
     path = locations.absolute(path.rstrip("/"))
     step = paths.step_of(path)
@@ -63,7 +63,7 @@ def _named_step_dir(path: str) -> StepDir | None:
 
 def _t5tpu_step_dir(path: str) -> StepDir | None:
     """The StepDir of a t5tpu checkpoint_<step> directory (it holds params/), else None."""
-    named = _named_step_dir(path)
+    named = named_step_dir(path)
     return named if named and epath.Path(path, "params").is_dir() else None
 
 
@@ -128,7 +128,7 @@ def open_checkpoint(
     path = checkpoint_path(path, step)
     source = detect_format(path, setting)
     if source == "t5tpu":
-        named = _named_step_dir(path)
+        named = named_step_dir(path)
         return in_model_dir(named.model_dir, named.step)
     return Checkpoint(path=path, format=source, reader=IMPORTERS[source](path))
 
@@ -232,8 +232,12 @@ class Checkpoint:
     def check_geometry(self, abstract_params) -> None:
         """Refuses, listing the differences, a t5tpu checkpoint (or its adapters) that is not
         of the model `abstract_params` describe; imported ones are checked as they are read."""
-        if self.step_dir:
-            adapted_checkpoints.check_geometry(self.manager, self.step, abstract_params)
+        if self.lora:
+            unrolled = layer_stacking.unstack_layers(abstract_params)
+            expected = lora.adapter_shapes(unrolled, None, self.lora.settings)
+            adapted_checkpoints.check_geometry(self.manager, self.step, expected)
+        elif self.step_dir:
+            checkpoints.check_geometry(self.manager, self.step, abstract_params)
 
     def load(self, abstract_params, shardings=None, *, dtype: str | None = None):
         """Plain parameters like `abstract_params`: a LoRA run's with its adapters merged into
@@ -266,9 +270,10 @@ class Checkpoint:
         against the ones the model's kernels (`abstract_params`) take."""
         if not self.lora:
             raise UserError(f"{self.path} is not a LoRA run's checkpoint; it holds no adapters")
-        return adapted_checkpoints.restore_adapters(
-            self.manager, self.step, abstract_params, _placed(abstract_params, shardings), self.lora
-        )
+        self.check_geometry(abstract_params)
+        placed = _placed(abstract_params, shardings)
+        targets = lora.adapter_shapes(abstract_params, placed, self.lora.settings)
+        return adapted_checkpoints.restore_adapters(self.manager, self.step, targets)
 
     def _restored(self, abstract_params, shardings):
         return checkpoints.restore_params(

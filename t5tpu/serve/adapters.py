@@ -23,17 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5tpu.errors import UserError
+from t5tpu.formats import loader
 from t5tpu.model import lora, precision
 from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
-from t5tpu.storage import (
-    adapted_checkpoints,
-    base_fingerprint,
-    checkpoints,
-    locations,
-    run_record,
-)
-from t5tpu.storage import model_dir as paths
+from t5tpu.storage import base_fingerprint, locations
 from t5tpu.storage.adapted_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
@@ -42,17 +36,16 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 @dataclasses.dataclass(frozen=True)
 class AdapterCheckpoint:
-    """An adapter to serve: its name, its checkpoint (MODEL_DIR and step) and what that says."""
+    """An adapter to serve: its name, its checkpoint (opened by formats/loader.py, a LoRA run's)
+    and that run's record."""
 
     name: str
-    model_dir: str
-    step: int
-    record: AdapterRecord
+    checkpoint: loader.Checkpoint
     run: RunRecord | None = None  # the LoRA run's record: its task, lengths, input shaping
 
     @property
-    def path(self) -> str:
-        return paths.checkpoint_dir(self.model_dir, self.step)
+    def record(self) -> AdapterRecord:
+        return self.checkpoint.lora
 
 
 def _spec(text: str) -> tuple[str, str]:
@@ -67,26 +60,21 @@ def _spec(text: str) -> tuple[str, str]:
 
 def open_adapter(text: str) -> AdapterCheckpoint:
     """The adapter `--adapter=NAME=PATH` names: PATH's newest checkpoint, or PATH itself."""
-    from t5tpu.api import loading
-
     name, given = _spec(text)
     if not locations.is_remote(given) and not os.path.exists(given):
         raise UserError(f"--adapter {name}={given} does not exist; give a LoRA run's MODEL_DIR")
-    path = locations.absolute(loading.checkpoint_path(given).rstrip("/"))
-    step = paths.step_of(path)
-    if step is None:
+    step_dir = loader.named_step_dir(loader.checkpoint_path(given))
+    if step_dir is None:
         raise UserError(
             f"--adapter {name}={given} is not a t5tpu MODEL_DIR or checkpoint_N; give a LoRA run's"
         )
-    model_dir = os.path.dirname(path)
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    record = adapted_checkpoints.record_of(mngr, step)
-    if record is None:
+    checkpoint = loader.in_model_dir(step_dir.model_dir, step_dir.step)
+    if checkpoint.lora is None:
         raise UserError(
             f"--adapter {name}={given} is a full model's checkpoint, not a LoRA run's: serve it "
             "on its own with --model"
         )
-    return AdapterCheckpoint(name, model_dir, step, record, run_record.record_of(mngr, step))
+    return AdapterCheckpoint(name, checkpoint, checkpoint.run_record())
 
 
 def open_adapters(texts: Sequence[str]) -> tuple[AdapterCheckpoint, ...]:
@@ -187,10 +175,7 @@ def load_adapters(
     flag = jax.device_put(np.bool_(False), partitioner.replicated())
     trees: dict[str | None, dict] = {}
     for adapter in adapters:
-        mngr = checkpoints.manager(adapter.model_dir, read_only=True)
-        own = adapted_checkpoints.restore_adapters(
-            mngr, adapter.step, abstract, shardings, adapter.record
-        )
+        own = adapter.checkpoint.adapters(abstract, shardings)
         joined = lora.join(base_params, precision.cast_params(own, dtype))
         rounded = jax.device_put(np.bool_(_needs_rounding(settings, dtype)), flag.sharding)
         trees[adapter.name] = {"params": joined, "rounded": rounded}

@@ -134,9 +134,9 @@ def model_setup(
     validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
     if opened:
-        from t5tpu.api import loading
+        from t5tpu.formats import loader
 
-        lora_adapters.check_base(opened, loading.checkpoint_path(setup.path, setup.step))
+        lora_adapters.check_base(opened, loader.checkpoint_path(setup.path, setup.step))
     return setup
 
 
