@@ -127,24 +127,6 @@ class ServedAdapters:
         return self.engine
 
 
-def _rounded_base(base_dtype: str):
-    """A view of {"params": adapted tree, "rounded": flag}: the adapted tree with its base as
-    the adapter's run trained on it (lora.base_as_trained, as training and t5tpu.load make it)
-    where the flag says so; the base alone (flag False) as it is."""
-
-    def view(tree):
-        trained = lora.base_as_trained(tree["params"], base_dtype)
-        return jax.tree_util.tree_map(
-            lambda low, x: jnp.where(tree["rounded"], low, x), trained, tree["params"]
-        )
-
-    return view
-
-
-def _unwrapped(tree):
-    return tree["params"]
-
-
 def _needs_rounding(settings: lora.LoraSettings, activation_dtype) -> bool:
     # A bfloat16 engine reads bfloat16 weights anyway; a float32 one must round them itself.
     return jnp.dtype(activation_dtype) == jnp.float32 and settings.base_dtype != "float32"
@@ -178,9 +160,9 @@ def load_adapters(
         own = adapter.checkpoint.adapters(abstract, shardings)
         joined = lora.join(base_params, precision.cast_params(own, dtype))
         rounded = jax.device_put(np.bool_(_needs_rounding(settings, dtype)), flag.sharding)
-        trees[adapter.name] = {"params": joined, "rounded": rounded}
+        trees[adapter.name] = lora.served_tree(joined, rounded)
     _, first = lora.split(trees[adapters[0].name]["params"])
-    trees[None] = {"params": lora.join(base_params, _zeros_like(first)), "rounded": flag}
+    trees[None] = lora.served_tree(lora.join(base_params, _zeros_like(first)), flag)
     engine = Engine(
         network=adapted_model(base.model, settings),
         params=trees[None],
@@ -189,8 +171,8 @@ def load_adapters(
         batch_size=base.shapes.batch_size,
         max_input_length=base.shapes.max_input_length,
         max_target_length=base.shapes.max_target_length,
-        param_view=(
-            _rounded_base(settings.base_dtype) if _needs_rounding(settings, dtype) else _unwrapped
+        param_view=lora.served_view(
+            settings.base_dtype if _needs_rounding(settings, dtype) else None
         ),
     )
     return ServedAdapters(engine=engine, params=trees)
