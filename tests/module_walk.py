@@ -21,6 +21,13 @@ import t5tpu
 ROOT = os.path.dirname(t5tpu.__file__)
 # The libraries through which t5tpu reads files.
 READERS = ("orbax", "etils", "gin", "tensorstore")
+# The modules every read in t5tpu goes through, whoever reads: below a walk, not counted in it.
+PLUMBING = (
+    "storage/user_files.py",
+    "storage/remote.py",
+    "storage/checkpoint_damage.py",
+    "config/gin_setup.py",
+)
 
 
 def _module(code) -> str | None:
@@ -90,6 +97,18 @@ class Walk:
 
     def turns_back(self) -> list[tuple[str, ...]]:
         return sorted(stack for stack in self.stacks if len(set(stack)) < len(stack))
+
+    def climbs(self, lower: str, upper: str) -> list[tuple[str, ...]]:
+        """The stacks on which a module of folder `upper` ('serve/') is called from one of
+        folder `lower` ('model/'): a layer below calling back up into one above."""
+        return sorted(
+            stack
+            for stack in self.stacks
+            if any(
+                below.startswith(lower) and any(m.startswith(upper) for m in stack[i + 1 :])
+                for i, below in enumerate(stack)
+            )
+        )
 
 
 def traced(call, folder: str) -> Walk:

@@ -295,15 +295,6 @@ def test_the_loader_merges_as_a_served_program_would_and_casts(short_run):
         np.testing.assert_array_equal(a.astype(jax.numpy.bfloat16), b)
 
 
-# The files every read in t5tpu goes through, whoever reads: below the walk.
-PLUMBING = (
-    "storage/user_files.py",
-    "storage/remote.py",
-    "storage/checkpoint_damage.py",
-    "config/gin_setup.py",
-)
-
-
 def test_loading_a_lora_model_dir_walks_down_six_modules(short_run, resume_flags):
     """t5tpu.load of a LoRA MODEL_DIR: its checkpoint, model gin, base (fingerprint and
     parameters) and adapters are read down one path of modules, none of them turned back to."""
@@ -311,7 +302,7 @@ def test_loading_a_lora_model_dir_walks_down_six_modules(short_run, resume_flags
     folder = os.path.commonpath([short_run, base_copy])
     walk = module_walk.traced(lambda: api.load(short_run), folder)
     assert walk.turns_back() == []
-    assert walk.modules_to_the_files(PLUMBING) == [
+    assert walk.modules_to_the_files(module_walk.PLUMBING) == [
         "api/loading.py",
         "formats/loader.py",
         "storage/checkpoints.py",
