@@ -306,9 +306,9 @@ def test_loading_a_lora_model_dir_walks_down_six_modules(short_run, resume_flags
         "api/loading.py",
         "formats/loader.py",
         "storage/checkpoints.py",
-        "storage/adapted_checkpoints.py",
+        "storage/lora_checkpoints.py",
         "config/checkpoint_gin.py",
-        "storage/base_fingerprint.py",
+        "storage/lora_base_fingerprint.py",
     ]
 
 

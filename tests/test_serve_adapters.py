@@ -244,11 +244,11 @@ def test_serving_an_adapter_walks_down_eight_modules_never_back_up_to_serve(runs
     assert walk.climbs("model/", "serve/") == []
     assert walk.modules_to_the_files(module_walk.PLUMBING) == [
         "serve/model_setup.py",
-        "serve/adapters.py",
+        "serve/lora_adapters.py",
         "formats/loader.py",
         "storage/checkpoints.py",
-        "storage/adapted_checkpoints.py",
-        "storage/base_fingerprint.py",
+        "storage/lora_checkpoints.py",
+        "storage/lora_base_fingerprint.py",
         "api/loading.py",
         "config/checkpoint_gin.py",
     ]

@@ -8,7 +8,7 @@ holds (`model()`: the gin files given, else the model.gin or config.gin beside a
 checkpoint, read here and nowhere else) and restores its parameters onto the caller's shapes,
 shardings and dtype (`load()`).
 
-A LoRA run's checkpoint holds its adapters alone (storage/adapted_checkpoints.py) and names its
+A LoRA run's checkpoint holds its adapters alone (storage/lora_checkpoints.py) and names its
 base (path and fingerprint): `load()` opens that base here, in whatever format it is, after
 checking its fingerprint, and merges the adapters into the base as they were trained on it
 (model/lora.py's base_as_trained); `load_apart()` keeps them apart for a caller that runs the
@@ -31,9 +31,9 @@ from t5tpu.errors import UserError
 from t5tpu.formats import checkpoint_reader, hf_format, mesh_tf_format, t5x_format
 from t5tpu.model import layer_stacking, lora, param_shapes, precision
 from t5tpu.model.network import T5Config
-from t5tpu.storage import adapted_checkpoints, checkpoints, locations, remote
+from t5tpu.storage import checkpoints, locations, lora_checkpoints, remote
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage.lora_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
 # The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
@@ -145,7 +145,7 @@ def in_model_dir(model_dir: str, step: int) -> Checkpoint:
         path=paths.checkpoint_dir(model_dir, step),
         format="t5tpu",
         step_dir=StepDir(model_dir, step),
-        lora=adapted_checkpoints.record_of(mngr, step),
+        lora=lora_checkpoints.record_of(mngr, step),
         manager=mngr,
     )
 
@@ -235,7 +235,7 @@ class Checkpoint:
         if self.lora:
             unrolled = layer_stacking.unstack_layers(abstract_params)
             expected = lora.adapter_shapes(unrolled, None, self.lora.settings)
-            adapted_checkpoints.check_geometry(self.manager, self.step, expected)
+            lora_checkpoints.check_geometry(self.manager, self.step, expected)
         elif self.step_dir:
             checkpoints.check_geometry(self.manager, self.step, abstract_params)
 
@@ -273,7 +273,7 @@ class Checkpoint:
         self.check_geometry(abstract_params)
         placed = _placed(abstract_params, shardings)
         targets = lora.adapter_shapes(abstract_params, placed, self.lora.settings)
-        return adapted_checkpoints.restore_adapters(self.manager, self.step, targets)
+        return lora_checkpoints.restore_adapters(self.manager, self.step, targets)
 
     def _restored(self, abstract_params, shardings):
         return checkpoints.restore_params(

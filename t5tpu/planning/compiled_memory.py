@@ -24,7 +24,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.partitioning import Partitioner, Topology
 from t5tpu.planning.memory_plan import Workload
-from t5tpu.training import frozen_base, trainer
+from t5tpu.training import lora_base, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,9 +141,9 @@ def train_step_memory(
     """Compiles the train step `t5tpu train` would run (same shardings, donation, microbatches
     and batch features) for the partitioner's devices and reads XLA's memory analysis."""
     if model.config.lora is not None:  # a LoRA run: the frozen base is one more argument
-        shapes = frozen_base.state_shardings(model, optimizer, partitioner)
+        shapes = lora_base.state_shardings(model, optimizer, partitioner)
         abstract = (shapes.abstract, shapes.base)
-        step = frozen_base.compile_train_step(
+        step = lora_base.compile_train_step(
             model, optimizer, shapes, partitioner, work.num_microbatches
         )
     else:

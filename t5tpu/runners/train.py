@@ -45,7 +45,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import adapted_run
+from t5tpu.runners import lora_run
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, locations, remote
@@ -118,7 +118,7 @@ class StepSetup:
             self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
         )
 
-    # What evaluation and checkpoints take from the setup; a LoRA run's (adapted_run.py)
+    # What evaluation and checkpoints take from the setup; a LoRA run's (lora_run.py)
     # merges its adapters into the base and names the base in every checkpoint.
     @property
     def eval_model(self) -> EncoderDecoderModel:
@@ -274,7 +274,7 @@ def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> tra
     """The state to start from, placed on the mesh (see the module docstring for the order)."""
     if start.resume:
         return _resumed_state(setup=setup, mngr=mngr, step=start.resume.step)
-    if isinstance(setup, adapted_run.AdaptedStepSetup):
+    if isinstance(setup, lora_run.LoraStepSetup):
         return setup.fresh_state(seed=seed, step=start.input_start_step)
     return _fresh_state(setup=setup, seed=seed, start=start)
 
@@ -298,12 +298,12 @@ def _warn_unused_rows(model: EncoderDecoderModel, start: StartPoint) -> None:
 
 
 def _step_setup(*, settings, mngr, start: StartPoint, **parts):
-    """StepSetup of a full fine-tuning run, or adapted_run's of a LoRA run (`settings`)."""
+    """StepSetup of a full fine-tuning run, or lora_run's of a LoRA run (`settings`)."""
     _warn_unused_rows(parts["model"], start)
-    adapted_run.check_resumable(mngr, start.resume, settings)
+    lora_run.check_resumable(mngr, start.resume, settings)
     if settings is None:
         return StepSetup.build(**parts)
-    return adapted_run.AdaptedStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
+    return lora_run.LoraStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
 
 
 def _evaluator(
@@ -481,8 +481,8 @@ def train(
     method=None,
 ) -> trainer.TrainState:
     """Trains until step TRAIN_STEPS (see the module docstring); `method`: 'full' (None), or
-    'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/adapted_run.py)."""
-    settings = adapted_run.settings_of(method)
+    'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/lora_run.py)."""
+    settings = lora_run.settings_of(method)
     evals = EvalSettings(eval_split, eval_batch_size or batch_size, eval_num_examples)
     partitioner = _checked_partitioner(partitioner, batch_size, evals.batch_size, num_microbatches)
     checkpoints.check_save_dtype(checkpoint_dtype)

@@ -10,7 +10,7 @@ else the run's, else t5tpu.load's defaults; each decoding default from infer's b
 TEMPERATURE, ..., infer.beam_alpha) where the gin files make them, else the run's; inputs
 are shaped as the run's task shaped its training inputs; what to do with long inputs comes from
 INFER_TRUNCATION. LoRA adapters (--adapter) are opened and checked against the model here too
-(serve/adapters.py), so a wrong one is refused before the server listens.
+(serve/lora_adapters.py), so a wrong one is refused before the server listens.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.runners import run_lengths
-from t5tpu.serve import adapters as lora_adapters
+from t5tpu.serve import lora_adapters
 from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
 from t5tpu.serve.payloads import Decoding
 from t5tpu.storage import locations

@@ -3,7 +3,7 @@ request choosing one with its "adapter" parameter.
 
 At start-up, before anything is loaded, each adapter's checkpoint must be a LoRA run's, all of
 one LoRA settings, each trained on the served model's files (their fingerprints,
-base_fingerprint.py): anything else is refused in one line. Once the base is loaded, each
+lora_base_fingerprint.py): anything else is refused in one line. Once the base is loaded, each
 adapter's `lora_a`/`lora_b` are read and joined to the base's parameters: the base arrays are
 the base engine's own, referenced by every adapter's tree, never copied. One Engine with the
 adapted network (x W + (x A) B * alpha / rank) runs every adapter and the base itself, as an
@@ -27,8 +27,8 @@ from t5tpu.formats import loader
 from t5tpu.model import lora, precision
 from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
-from t5tpu.storage import base_fingerprint, locations
-from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage import locations, lora_base_fingerprint
+from t5tpu.storage.lora_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -97,7 +97,7 @@ def check_base(adapters: Sequence[AdapterCheckpoint], served: str) -> None:
     """Refuses, in one line, an adapter trained on another base than the checkpoint `served`."""
     if not adapters:
         return
-    found = base_fingerprint.fingerprint(served)
+    found = lora_base_fingerprint.fingerprint(served)
     for adapter in adapters:
         if adapter.record.base.fingerprint != found:
             raise UserError(

@@ -1,5 +1,5 @@
 """Checkpoints of LoRA runs: their `params` item holds the adapters alone, and their metadata
-the LoRA settings and the base checkpoint (path and fingerprint, base_fingerprint.py).
+the LoRA settings and the base checkpoint (path and fingerprint, lora_base_fingerprint.py).
 
 The record and the adapters' bytes are read here, onto the adapter shapes the caller gives;
 which shapes a model's adapters take (model/lora.py), and the base, which may be in any format,
@@ -16,7 +16,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import lora
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.base_fingerprint import BaseReference
+from t5tpu.storage.lora_base_fingerprint import BaseReference
 
 # The custom metadata key of an adapter checkpoint.
 LORA = "lora"
