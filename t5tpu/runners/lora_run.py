@@ -75,7 +75,7 @@ def _base_reference(mngr, start) -> BaseReference:
 
 @dataclasses.dataclass(frozen=True)
 class LoraStepSetup:
-    """runners/train.py's StepSetup for a LoRA run: the step trains the adapters (`abstract`
+    """runners/train.py's StepSetup of a LoRA run: the step trains the adapters (`abstract`
     and `shardings` are their train state's) on `base`, which is loaded once."""
 
     model: EncoderDecoderModel  # the adapted one: its loss runs base and adapters
@@ -148,9 +148,11 @@ class LoraStepSetup:
         merge = lambda base, adapters: lora.merge(base, adapters, self.record.settings)
         return jax.jit(merge, out_shardings=self.eval_shardings)
 
-    def fresh_state(self, *, seed: int, step: int) -> trainer.TrainState:
+    def fresh_state(self, *, seed: int, start) -> trainer.TrainState:
+        """Fresh adapters at the start point's step (the base is INITIAL_CHECKPOINT_PATH)."""
+
         def init(rng):
             state = lora_base.initial_state(self.model, self.optimizer, rng, *self.lengths)
-            return state.replace(step=jnp.int32(step))
+            return state.replace(step=jnp.int32(start.input_start_step))
 
         return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed))
