@@ -4,7 +4,7 @@ XLA:CPU runs a bfloat16 dot fast in one orientation: the weight on the left, con
 last dim, the rows on the right, a [features, rows] result. Then YNNPACK streams the weight as
 it lies in memory; in the network's own orientation ([rows, in] x [in, out]) it was measured
 reading a decoding step's weights at a third of the memory's rate (docs/PERFORMANCE.md,
-scripts/dot_orientation.py). This step reads the same caches as the network's decode
+scripts/bench/dot_orientation.py). This step reads the same caches as the network's decode
 (network.py) and returns the same logits, with each decoder kernel held transposed ([out, in],
 `Weights`, made once by the engine), the hidden state flowing as [features, rows] from dot to
 dot, and the attention over the caches done by the network's own function (layers.attend).
