@@ -306,7 +306,7 @@ def _model_config(name: str):
     return T5Config()
 
 
-@pytest.mark.parametrize("family", ["t5_1_0", "t5_1_1", "mt5", "byt5"])
+@pytest.mark.parametrize("family", ["t5_1_0", "t5_1_1", "mt5", "umt5", "byt5"])
 def test_model_files_default_to_bfloat16_and_tiny_to_float32(family):
     gin.add_config_file_search_path(package_files.config_search_path())
     assert _model_config(f"{family}/small").dtype == "bfloat16"

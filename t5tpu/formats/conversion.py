@@ -53,6 +53,7 @@ _GEOMETRY = (
     "logits_via_embedding",
     "relative_attention_num_buckets",
     "relative_attention_max_distance",
+    "relative_bias_per_layer",
 )
 
 
