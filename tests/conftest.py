@@ -109,7 +109,7 @@ def pytest_configure(config):
     the first compile, since JAX decides once whether a process uses a cache."""
     if config.getoption("numprocesses", None) and not _worker:
         return  # pytest-xdist's controller: it runs no tests
-    from t5tpu.runtime import compilation_cache
+    from t5tpu.storage import compilation_cache
 
     subprocesses = compilation_cache.directory()
     if subprocesses is None:  # T5TPU_COMPILATION_CACHE=off

@@ -1,11 +1,14 @@
 """T5X checkpoints written as T5X's Checkpointer lays them out, for the tests of every format
 that reads or converts them: a msgpack `checkpoint` index of {'version': 3, 'optimizer':
 {'target', 'state'}}, leaves either inline arrays or tensorstore zarr specs with paths relative
-to the checkpoint, some stored as bfloat16 or as version 2's uint16 bits."""
+to the checkpoint, some stored as bfloat16 or as version 2's uint16 bits. Also scalable_t5's
+layout (umT5's checkpoints): 3-D attention kernels, and each stack scanned into one subtree
+`encoder/encoder/...` whose leaves hold every layer along one axis."""
 
 from __future__ import annotations
 
 import os
+import re
 
 import flax.linen as nn
 import jax
@@ -86,13 +89,33 @@ def _write_zarr(directory: str, relative: str, array: np.ndarray, dtype: str) ->
     }
 
 
-def write_t5x_checkpoint(model_dir: str, params: dict[str, np.ndarray], step: int) -> str:
-    """Writes checkpoint_<step>/ as T5X does; returns its path."""
+def scanned_layout(params: dict[str, np.ndarray], axis: int = 1) -> dict[str, np.ndarray]:
+    """scalable_t5's names and shapes of unrolled parameters: each stack's layers_N leaves
+    stacked along `axis` (T5X's param_scan_axis) under `encoder/encoder/...`."""
+    out, layers = {}, {}
+    for name, value in params.items():
+        match = re.fullmatch(r"(encoder|decoder)/layers_(\d+)/(.+)", name)
+        if not match:
+            out[name] = value
+            continue
+        stack, index, rest = match.groups()
+        layers.setdefault(f"{stack}/{stack}/{rest}", {})[int(index)] = value
+    for name, by_index in layers.items():
+        out[name] = np.stack([by_index[i] for i in range(len(by_index))], axis=axis)
+    return out
+
+
+def write_t5x_checkpoint(
+    model_dir: str, params: dict[str, np.ndarray], step: int, layout=t5x_layout
+) -> str:
+    """Writes checkpoint_<step>/ as T5X does, each parameter as layout(name, array) gives it
+    (T5X's flat attention kernels by default); returns its path. Parameters named by neither
+    INLINE, BFLOAT16 nor UINT16_BITS are float32 zarr arrays."""
     directory = os.path.join(model_dir, f"checkpoint_{step}")
     os.makedirs(directory)
     target = {}
     for name, value in params.items():
-        array = t5x_layout(name, value)
+        array = layout(name, value)
         relative = "target." + name.replace("/", ".")
         if name in INLINE:
             leaf = array

@@ -297,16 +297,18 @@ def test_limit_probes_are_positive_and_robust():
     assert limits.robust([4.0], best_k=3) == 4.0
 
 
-def test_decode_floor_bytes_by_hand():
+# umT5's decoder reads a position-bias table in each of its 2 layers, the others one.
+@pytest.mark.parametrize("model, tables", [(TINY, 1), ("configs/models/umt5/tiny.gin", 2)])
+def test_decode_floor_bytes_by_hand(model, tables):
     """Tiny geometry: emb 128, 4 heads x 32 (inner 128), gated mlp 256, 2 decoder layers, vocab
     1024, 32 relative-position buckets; batch 2, 4 beams, 16 input and 6 new tokens."""
-    args = bench.parse_args([f"--gin_file={TINY}"])
+    args = bench.parse_args([f"--gin_file={model}"])
     model = workloads.build_model(args)
     parts = limits.decode_step_bytes(model.config, 2, 16, 6, beams=4)
     # Self-attention q/k/v/out, cross-attention q/out, wi_0/wi_1/wo, three norm scales.
     layer = 4 * 128 * 128 + 2 * 128 * 128 + 3 * 128 * 256 + 3 * 128
     assert parts == {
-        "decoder_weights": 4 * (2 * layer + 128 + 32 * 4),  # + final norm + position bias
+        "decoder_weights": 4 * (2 * layer + 128 + tables * 32 * 4),  # + final norm, position bias
         "output_layer": 4 * 128 * 1024,
         "embedding_rows": 4 * 8 * 128,  # 2 examples x 4 beams
         "self_attention_cache": 4 * 2 * 2 * 8 * 128 * 3.5,  # k/v, layers, rows, (6 + 1) / 2

@@ -25,8 +25,9 @@ from t5tpu import api
 from t5tpu.cli import convert as convert_command
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, hf_format, loader
+from t5tpu.formats import hf_format, loader
 from t5tpu.formats.vocabulary_source import VocabularySource
+from t5tpu.model import param_shapes
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.runners import train
 from t5tpu.storage import checkpoints
@@ -64,7 +65,7 @@ def converted(hf_dir, tmp_path_factory):
 
 
 def _restore(model_dir: str, step: int, config: T5Config):
-    abstract = checkpoint_reader.abstract_params(config)
+    abstract = param_shapes.abstract_params(config, unrolled=True)
     device = jax.sharding.SingleDeviceSharding(jax.devices()[0])
     mngr = checkpoints.manager(model_dir, read_only=True)
     shardings = jax.tree_util.tree_map(lambda _: device, abstract)
@@ -137,7 +138,7 @@ def test_one_load_opens_its_checkpoint_once(hf_dir, converted, tmp_path, monkeyp
     opened.clear()
     start = train._start_point(str(tmp_path), directory, train_steps=1, relative_steps=False)
     assert start.input_start_step == 0
-    loaded = start.initial_checkpoint.load(checkpoint_reader.abstract_params(CONFIG))
+    loaded = start.initial_checkpoint.load(param_shapes.abstract_params(CONFIG, unrolled=True))
     assert (detected, opened) == ([directory], [directory])
     _assert_same(loaded, params)
 

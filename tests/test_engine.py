@@ -11,11 +11,10 @@ import pytest
 import reference_decoding
 import seqio
 
-from t5tpu.model import decoding, engine, slot_batch
+from t5tpu.model import decoding, engine, param_shapes, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runtime import compile_events
-from t5tpu.training import trainer
 
 MAX_LENGTH = 12
 EOS = 1
@@ -29,7 +28,7 @@ def tiny():
 
     model = EncoderDecoderModel(tiny_config(), seqio.PassThroughVocabulary(1024, eos_id=EOS))
     partitioner = Partitioner()
-    _, shardings = trainer.abstract_params(model, partitioner, 8, 8)
+    _, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     params = flax.core.meta.unbox(model.init(jax.random.PRNGKey(0), 8, 8))
     kernel = params["decoder"]["logits_dense"]["kernel"]
     params["decoder"]["logits_dense"]["kernel"] = kernel.at[:, EOS].multiply(5.0)

@@ -24,6 +24,7 @@ BF16 = jnp.bfloat16
 # bfloat16's unit roundoff: a logit's error is measured in these, relative to the logits' range.
 UNIT_ROUNDOFF = 2.0**-8
 T5_1_0 = {"mlp_activations": ("relu",), "logits_via_embedding": True}
+UMT5 = {"relative_bias_per_layer": True}  # a position-bias table in every layer
 
 
 def _network(**overrides):
@@ -38,7 +39,7 @@ def _network(**overrides):
     return module, params, jnp.asarray(tokens)
 
 
-@pytest.mark.parametrize("overrides", [{}, T5_1_0], ids=["t5_1_1", "t5_1_0"])
+@pytest.mark.parametrize("overrides", [{}, T5_1_0, UMT5], ids=["t5_1_1", "t5_1_0", "umt5"])
 @pytest.mark.parametrize("rows", [1, 3])
 def test_a_step_gives_the_networks_logits_and_cache(overrides, rows):
     """From one cache, each row at its own position: the same logits within two bfloat16

@@ -36,6 +36,7 @@ from t5tpu.formats import (
     mesh_tf_format,
     tf_bundle_index,
 )
+from t5tpu.model import param_shapes
 from t5tpu.runtime.lazy_imports import import_tensorflow_quietly, tf
 from t5tpu.storage import checkpoint_damage, checkpoints
 
@@ -53,7 +54,7 @@ CONFIG = tiny_config(
 
 @functools.cache
 def _abstract(config):
-    return checkpoint_reader.abstract_params(config)
+    return param_shapes.abstract_params(config, unrolled=True)
 
 
 def _params(config) -> dict[str, np.ndarray]:

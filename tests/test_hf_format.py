@@ -1,10 +1,11 @@
 """Hugging Face T5 in and out, against transformers itself (PyTorch, float32): random-weight T5
-1.0 and T5 1.1 models built from a config (nothing downloaded), saved with save_pretrained,
-imported into t5tpu; logits and greedy decodes must agree, and exporting back must give the
-very tensors save_pretrained wrote."""
+1.0, T5 1.1, mT5 and umT5 models built from a config (nothing downloaded), saved with
+save_pretrained, imported into t5tpu; logits and greedy decodes must agree, and exporting back
+must give the very tensors save_pretrained wrote."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -23,8 +24,9 @@ from tiny import tiny_config
 
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, hf_format
+from t5tpu.formats import hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
+from t5tpu.model import param_shapes
 from t5tpu.model.network import T5Config, Transformer
 from t5tpu.storage import checkpoints
 
@@ -45,6 +47,8 @@ VARIANTS = {
     },
     # mT5: model_type 'mt5' (transformers' MT5 classes), 1.1's architecture.
     "mt5": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
+    # umT5: model_type 'umt5' (transformers' UMT5 classes), a position bias in every layer.
+    "umt5": {"feed_forward_proj": "gated-gelu", "tie_word_embeddings": False},
     # ByT5's shape: as 1.1, with an encoder deeper than its decoder (3:1 in every ByT5 size).
     "byt5": {
         "feed_forward_proj": "gated-gelu",
@@ -52,14 +56,17 @@ VARIANTS = {
         "num_decoder_layers": 1,
     },
 }
-SEEDS = {"1.0": 10, "1.1": 11, "byt5": 12, "flan-t5": 13, "mt5": 14}
+SEEDS = {"1.0": 10, "1.1": 11, "byt5": 12, "flan-t5": 13, "mt5": 14, "umt5": 15}
+# transformers' config and model classes of the variants that have their own.
+CLASSES = {
+    "mt5": (transformers.MT5Config, transformers.MT5ForConditionalGeneration),
+    "umt5": (transformers.UMT5Config, transformers.UMT5ForConditionalGeneration),
+}
 
 
-def _hf_model(variant: str) -> transformers.T5ForConditionalGeneration:
-    mt5 = variant == "mt5"
-    config_class = transformers.MT5Config if mt5 else transformers.T5Config
-    model_class = (
-        transformers.MT5ForConditionalGeneration if mt5 else transformers.T5ForConditionalGeneration
+def _hf_model(variant: str) -> transformers.PreTrainedModel:
+    config_class, model_class = CLASSES.get(
+        variant, (transformers.T5Config, transformers.T5ForConditionalGeneration)
     )
     config = config_class(
         vocab_size=VOCAB,
@@ -93,7 +100,7 @@ def saved(tmp_path_factory):
         model.save_pretrained(directory)
         checkpoint = hf_format.HFCheckpoint(directory)
         config = checkpoint.config()
-        params = checkpoint.load(checkpoint_reader.abstract_params(config))
+        params = checkpoint.load(param_shapes.abstract_params(config, unrolled=True))
         out[variant] = (model, directory, config, params)
     return out
 
@@ -149,12 +156,15 @@ def test_config_is_derived_from_config_json(saved):
     config_11 = saved["1.1"][2]
     assert config_11.mlp_activations == ("gelu", "linear")
     assert config_11.logits_via_embedding is False
-    # Flan-T5 and mT5 config.json files read as the same geometry as 1.1's.
+    # Flan-T5 and mT5 config.json files read as the same geometry as 1.1's, umT5's with a
+    # position bias in every layer.
     for variant in ("flan-t5", "mt5"):
         _, directory, config, _ = saved[variant]
         assert config == config_11, variant
-    published = json.loads(pathlib.Path(saved["mt5"][1], "config.json").read_text())
-    assert published["model_type"] == "mt5"
+    assert saved["umt5"][2] == dataclasses.replace(config_11, relative_bias_per_layer=True)
+    for variant in ("mt5", "umt5"):
+        published = json.loads(pathlib.Path(saved[variant][1], "config.json").read_text())
+        assert published["model_type"] == variant
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -183,6 +193,17 @@ def test_greedy_decodes_match_transformers_generate(saved, variant):
     )
     np.testing.assert_array_equal(np.asarray(ours), expected)
     assert len({tuple(row) for row in expected}) == 3  # the rows decode differently
+
+
+def test_umt5_through_the_engine_decodes_as_transformers_generate(saved):
+    """umT5 through t5tpu.load's engine (rows at their own positions, each layer's table read
+    there): transformers' greedy ids."""
+    from t5tpu import api
+
+    model, directory, _, _ = saved["umt5"]
+    inputs, _ = _batch()
+    loaded = api.load(directory, batch_size=4, max_target_length=10)
+    np.testing.assert_array_equal(loaded.generate_ids(inputs), _hf_generate(model, inputs, 10))
 
 
 def _hf_generate(model, inputs, length: int, **options) -> np.ndarray:
@@ -321,7 +342,10 @@ def test_export_gives_identical_tensors_and_logits(saved, variant, tmp_path):
         assert exported[name].dtype == np.float32
         np.testing.assert_array_equal(exported[name], tensor, err_msg=name)
 
-    reloaded = transformers.T5ForConditionalGeneration.from_pretrained(str(tmp_path)).eval()
+    reloaded = transformers.AutoModelForSeq2SeqLM.from_pretrained(str(tmp_path)).eval()
+    assert type(reloaded).__name__ == (
+        "UMT5ForConditionalGeneration" if variant == "umt5" else "T5ForConditionalGeneration"
+    )
     assert reloaded.config.tie_word_embeddings == (variant == "1.0")
     inputs, targets = _batch()
     np.testing.assert_array_equal(
@@ -331,7 +355,7 @@ def test_export_gives_identical_tensors_and_logits(saved, variant, tmp_path):
 
 def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
     model, _, config, params = saved["1.1"]
-    abstract = checkpoint_reader.abstract_params(config)
+    abstract = param_shapes.abstract_params(config, unrolled=True)
     sharded, torch_dir = str(tmp_path / "sharded"), str(tmp_path / "torch")
     model.save_pretrained(sharded, max_shard_size="100KB")
     model.save_pretrained(torch_dir, safe_serialization=False)
@@ -345,8 +369,8 @@ def test_sharded_safetensors_and_pytorch_bin_import_the_same(saved, tmp_path):
 
 def test_refuses_another_geometry_listing_names_and_shapes(saved):
     _, directory, config, _ = saved["1.1"]
-    other = checkpoint_reader.abstract_params(
-        T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3})
+    other = param_shapes.abstract_params(
+        T5Config(**{**config.__dict__, "mlp_dim": 256, "num_decoder_layers": 3}), unrolled=True
     )
     with pytest.raises(UserError) as error:
         hf_format.HFCheckpoint(directory).load(other)
@@ -363,7 +387,7 @@ def test_t5_1_0_checkpoint_is_refused_by_a_t5_1_1_model(saved):
     _, directory, config, _ = saved["1.0"]
     gated = T5Config(**{**config.__dict__, "mlp_activations": ("gelu", "linear")})
     with pytest.raises(UserError, match=r"wi_0\.weight: missing"):
-        hf_format.HFCheckpoint(directory).load(checkpoint_reader.abstract_params(gated))
+        hf_format.HFCheckpoint(directory).load(param_shapes.abstract_params(gated, unrolled=True))
 
 
 def test_spiece_model_is_picked_up_as_the_vocabulary(saved, tmp_path):
@@ -438,7 +462,7 @@ FLAN_T5_SMALL = {
 
 @pytest.mark.parametrize("hf_config, count", [(T5_SMALL, 60_506_624), (FLAN_T5_SMALL, 76_961_152)])
 def test_published_configs_give_the_published_parameter_counts(hf_config, count):
-    abstract = checkpoint_reader.abstract_params(hf_format.config_from_hf(hf_config))
+    abstract = param_shapes.abstract_params(hf_format.config_from_hf(hf_config), unrolled=True)
     assert sum(math.prod(s) for s in checkpoints.flat_shapes(abstract).values()) == count
 
 
@@ -449,3 +473,58 @@ def test_config_round_trips_and_unsupported_activations_are_refused():
         hf_format.config_from_hf({**T5_SMALL, "feed_forward_proj": "gelu"})
     with pytest.raises(UserError, match="layer_norm_epsilon"):
         hf_format.config_from_hf({**T5_SMALL, "layer_norm_epsilon": 1e-5})
+    umt5 = hf_format.config_from_hf(UMT5_SMALL)
+    assert hf_format.hf_config(umt5)["model_type"] == "umt5"
+    assert hf_format.config_from_hf(hf_format.hf_config(umt5)) == umt5
+    # Without feed_forward_proj each model type takes its config class's default.
+    bare = {k: v for k, v in UMT5_SMALL.items() if k != "feed_forward_proj"}
+    assert hf_format.config_from_hf(bare).mlp_activations == ("gelu", "linear")
+    assert hf_format.config_from_hf({**bare, "model_type": "t5"}).mlp_activations == ("relu",)
+
+
+# google/umt5-small's config.json as published (huggingface.co/google/umt5-small, revision
+# 27cbeff): no model_type, only the architecture names umT5. The other sizes' differ in these
+# five sizes alone (google/umt5-base, -xl, -xxl config.json).
+UMT5_SMALL = {
+    "architectures": ["UMT5ForConditionalGeneration"],
+    "d_ff": 1024,
+    "d_kv": 64,
+    "d_model": 512,
+    "dense_act_fn": "gelu_new",
+    "feed_forward_proj": "gated-gelu",
+    "is_gated_act": True,
+    "layer_norm_epsilon": 1e-06,
+    "num_decoder_layers": 8,
+    "num_heads": 6,
+    "num_layers": 8,
+    "relative_attention_max_distance": 128,
+    "relative_attention_num_buckets": 32,
+    "scalable_attention": True,
+    "tie_word_embeddings": False,
+    "vocab_size": 256384,
+}
+UMT5_SIZES = {  # d_model, d_ff, num_heads, layers; t5tpu's configs/models/umt5/<size>.gin
+    "small": (512, 1024, 6, 8),
+    "base": (768, 2048, 12, 12),
+    "xl": (2048, 5120, 32, 24),
+    "xxl": (4096, 10240, 64, 24),
+}
+
+
+@pytest.mark.parametrize("size", UMT5_SIZES)
+def test_published_umt5_configs_count_as_transformers_and_the_gins(size):
+    """Counted without weights: transformers' UMT5 on the meta device, t5tpu's abstract shapes
+    of the config.json read as t5tpu reads it, and the size's gin header."""
+    from test_model_configs import PARAMETER_COUNTS
+
+    d_model, d_ff, heads, layers = UMT5_SIZES[size]
+    sizes = {"d_model": d_model, "d_ff": d_ff, "num_heads": heads}
+    published = {**UMT5_SMALL, **sizes, "num_layers": layers, "num_decoder_layers": layers}
+    config = hf_format.config_from_hf(published)
+    assert config.relative_bias_per_layer and config.mlp_activations == ("gelu", "linear")
+    abstract = param_shapes.abstract_params(config, unrolled=True)
+    ours = sum(math.prod(s) for s in checkpoints.flat_shapes(abstract).values())
+    with torch.device("meta"):
+        reference = transformers.UMT5ForConditionalGeneration(transformers.UMT5Config(**published))
+    assert ours == sum(p.numel() for p in reference.parameters())
+    assert ours == PARAMETER_COUNTS[f"umt5/{size}"]

@@ -23,6 +23,7 @@ from cli_runs import ROOT, file_digests, start, succeeded, t5tpu
 import t5tpu as api
 from t5tpu.cli import convert as convert_command
 from t5tpu.errors import UserError
+from t5tpu.model import param_shapes
 
 pytestmark = pytest.mark.slow
 
@@ -270,12 +271,12 @@ def test_the_loader_merges_as_a_served_program_would_and_casts(short_run):
     """formats/loader.py on a LoRA checkpoint, from its MODEL_DIR or its checkpoint directory:
     merged, its base rounded as trained; apart, then merged inside a jitted program as serve's
     engine rounds the base, the same bits; in bfloat16 when asked."""
-    from t5tpu.formats import checkpoint_reader, loader
+    from t5tpu.formats import loader
     from t5tpu.model import lora
 
     checkpoint = loader.open_checkpoint(short_run)
     assert checkpoint.path == os.path.join(short_run, f"checkpoint_{BASE_STEPS + 8}")
-    abstract = checkpoint_reader.abstract_params(checkpoint.model().config)
+    abstract = param_shapes.abstract_params(checkpoint.model().config, unrolled=True)
     merged = jax.device_get(checkpoint.load(abstract))
     parts = checkpoint.load_apart(abstract)
 
@@ -294,15 +295,6 @@ def test_the_loader_merges_as_a_served_program_would_and_casts(short_run):
         np.testing.assert_array_equal(a.astype(jax.numpy.bfloat16), b)
 
 
-# The files every read in t5tpu goes through, whoever reads: below the walk.
-PLUMBING = (
-    "storage/user_files.py",
-    "storage/remote.py",
-    "storage/checkpoint_damage.py",
-    "config/gin_setup.py",
-)
-
-
 def test_loading_a_lora_model_dir_walks_down_six_modules(short_run, resume_flags):
     """t5tpu.load of a LoRA MODEL_DIR: its checkpoint, model gin, base (fingerprint and
     parameters) and adapters are read down one path of modules, none of them turned back to."""
@@ -310,13 +302,13 @@ def test_loading_a_lora_model_dir_walks_down_six_modules(short_run, resume_flags
     folder = os.path.commonpath([short_run, base_copy])
     walk = module_walk.traced(lambda: api.load(short_run), folder)
     assert walk.turns_back() == []
-    assert walk.modules_to_the_files(PLUMBING) == [
+    assert walk.modules_to_the_files(module_walk.PLUMBING) == [
         "api/loading.py",
         "formats/loader.py",
         "storage/checkpoints.py",
-        "storage/adapted_checkpoints.py",
+        "storage/lora_checkpoints.py",
         "config/checkpoint_gin.py",
-        "storage/base_fingerprint.py",
+        "storage/lora_base_fingerprint.py",
     ]
 
 

@@ -14,7 +14,8 @@ from flax import traverse_util
 from t5x_checkpoints import CONFIGS, random_params, t5x_layout
 
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, loader, mesh_tf_format
+from t5tpu.formats import loader, mesh_tf_format
+from t5tpu.model import param_shapes
 from t5tpu.model.network import T5Config
 
 STEP = 1_000_000
@@ -122,7 +123,9 @@ def test_imports_every_parameter_exactly(checkpoint, given):
     config, params, directory, prefix = checkpoint
     path = directory if given == "directory" else prefix
     assert loader.detect_format(path) == "mesh_tf"
-    imported = loader.open_checkpoint(path).load(checkpoint_reader.abstract_params(config))
+    imported = loader.open_checkpoint(path).load(
+        param_shapes.abstract_params(config, unrolled=True)
+    )
     flat = traverse_util.flatten_dict(imported, sep="/")
     expected = _expected(params)
     assert sorted(flat) == sorted(expected)
@@ -145,7 +148,7 @@ def test_rms_norm_spelling_is_accepted(tmp_path):
     variables["encoder/rms_norm/scale"] = variables.pop("encoder/final_layer_norm/scale")
     prefix = write_mesh_tf_checkpoint(str(tmp_path), variables, 7)
     imported = mesh_tf_format.MeshTFCheckpoint(prefix).load(
-        checkpoint_reader.abstract_params(config)
+        param_shapes.abstract_params(config, unrolled=True)
     )
     np.testing.assert_array_equal(
         imported["encoder"]["encoder_norm"]["scale"], params["encoder/encoder_norm/scale"]
@@ -160,7 +163,9 @@ def test_refuses_another_geometry_listing_names_and_shapes(checkpoint):
     config, _, directory, _ = checkpoint
     other = T5Config(**{**config.__dict__, "mlp_dim": 48})
     with pytest.raises(UserError) as error:
-        mesh_tf_format.MeshTFCheckpoint(directory).load(checkpoint_reader.abstract_params(other))
+        mesh_tf_format.MeshTFCheckpoint(directory).load(
+            param_shapes.abstract_params(other, unrolled=True)
+        )
     message = str(error.value)
     assert f"Mesh TF checkpoint {directory} has another geometry" in message
     wo = "decoder/block_000/layer_002/DenseReluDense/wo/kernel"

@@ -1,4 +1,4 @@
-"""The model gin files build the published T5, mT5 and ByT5 geometries, counted without
+"""The model gin files build the published T5, mT5, umT5 and ByT5 geometries, counted without
 allocating them."""
 
 from __future__ import annotations
@@ -23,18 +23,23 @@ PACKAGE_DIR = package_files.config_search_path()
 MODELS_DIR = package_files.configs_dir("models")
 PUBLIC_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
 MC4_VOCABULARY = "gs://t5-data/vocabs/mc4.250000.100extra/sentencepiece.model"
+UMT5_VOCABULARY = "gs://t5-data/vocabs/umt5.256000/sentencepiece.model"
 
 # Per family: the padded vocabulary (T5Config.vocab_size) and default_vocabulary's bindings.
-# mT5's sentinels are pieces of its model file (no extra ids); ByT5 reads bytes, no file.
+# mT5's sentinels are pieces of its model file (no extra ids); umT5's 300 are seqio's extra ids
+# (T5X's umt5/vocab.gin); ByT5 reads bytes, no file.
 FAMILIES = {
     "t5_1_0": (32128, {"sentencepiece_model_file": PUBLIC_VOCABULARY, "extra_ids": 100}),
     "t5_1_1": (32128, {"sentencepiece_model_file": PUBLIC_VOCABULARY, "extra_ids": 100}),
     "mt5": (250112, {"sentencepiece_model_file": MC4_VOCABULARY, "extra_ids": 0}),
+    "umt5": (256384, {"sentencepiece_model_file": UMT5_VOCABULARY, "extra_ids": 300}),
     "byt5": (384, {"kind": "bytes"}),
 }
 
 # Parameter counts of the published checkpoints. ByT5's beyond small are the geometries of the
-# Hugging Face config.json files, counted by transformers too (T5ForConditionalGeneration).
+# Hugging Face config.json files, counted by transformers too (T5ForConditionalGeneration);
+# umT5's are transformers' UMT5ForConditionalGeneration's at the google/umt5-* config.json
+# geometries (tests/test_hf_format.py counts them both ways).
 PARAMETER_COUNTS = {
     "t5_1_0/small": 60_506_624,
     "t5_1_0/base": 222_903_552,
@@ -51,6 +56,10 @@ PARAMETER_COUNTS = {
     "mt5/large": 1_229_581_312,
     "mt5/xl": 3_742_619_648,
     "mt5/xxl": 12_921_057_280,
+    "umt5/small": 306_601_984,
+    "umt5/base": 592_043_520,
+    "umt5/xl": 3_768_356_864,
+    "umt5/xxl": 12_972_531_712,
     "byt5/small": 299_637_760,
     "byt5/base": 581_653_248,
     "byt5/large": 1_228_183_552,
@@ -58,6 +67,8 @@ PARAMETER_COUNTS = {
     "byt5/xxl": 12_906_899_328,
 }
 TINY_COUNT = 1_050_368
+# umT5 tiny: two more 4-head x 32-bucket tables (one in each of the 2+2 layers, not per stack).
+UMT5_TINY_COUNT = TINY_COUNT + 2 * 4 * 32
 
 
 def parse_model_config(name: str) -> t5tpu.model.network.T5Config:
@@ -126,6 +137,18 @@ def test_published_sizes_have_exact_parameter_counts(name, expected):
         assert not config.logits_via_embedding
         assert shapes["decoder/logits_dense/kernel"] == (config.emb_dim, vocab_size)
         assert "encoder/layers_0/mlp/wi_1/kernel" in shapes
+    # umT5 alone has a position-bias table in every layer, the others one per stack.
+    per_layer = family == "umt5"
+    assert config.relative_bias_per_layer == per_layer
+    for stack, layers in (
+        ("encoder", config.num_encoder_layers),
+        ("decoder", config.num_decoder_layers),
+    ):
+        tables = [f"{stack}/layers_{i}/relpos_bias/rel_embedding" for i in range(layers)]
+        expected = tables if per_layer else [f"{stack}/relpos_bias/rel_embedding"]
+        assert sorted(p for p in shapes if "relpos_bias" in p and p.startswith(stack)) == sorted(
+            expected
+        )
 
 
 @pytest.mark.parametrize("variant", sorted(FAMILIES))
@@ -138,17 +161,22 @@ def test_dropout_rate_comes_from_the_run(variant):
     assert t5tpu.model.network.T5Config().dropout_rate == 0.1
 
 
-@pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1", "mt5"])
+@pytest.mark.parametrize("variant", ["t5_1_0", "t5_1_1", "mt5", "umt5"])
 def test_tiny_configs_build_a_model_with_the_bundled_vocabulary(variant):
     # tests/tiny.py's geometry (built before parsing: gin would fill in the fields not given),
-    # T5 1.0's with its ReLU feed-forward twice as wide and the tied output layer.
-    t5_1_0 = dict(mlp_dim=512, mlp_activations=("relu",), logits_via_embedding=True)
-    expected = tiny_config(**(t5_1_0 if variant == "t5_1_0" else {}))
+    # T5 1.0's with its ReLU feed-forward twice as wide and the tied output layer, umT5's with
+    # a position-bias table in every layer.
+    overrides = {
+        "t5_1_0": dict(mlp_dim=512, mlp_activations=("relu",), logits_via_embedding=True),
+        "umt5": dict(relative_bias_per_layer=True),
+    }
+    expected = tiny_config(**overrides.get(variant, {}))
     config = parse_model_config(f"{variant}/tiny")
     assert config == expected
     shapes = abstract_param_shapes(config)
-    assert sum(math.prod(s) for s in shapes.values()) == TINY_COUNT
-    assert f"{TINY_COUNT:,} parameters" in first_line(f"{variant}/tiny")
+    count = UMT5_TINY_COUNT if variant == "umt5" else TINY_COUNT
+    assert sum(math.prod(s) for s in shapes.values()) == count
+    assert f"{count:,} parameters" in first_line(f"{variant}/tiny")
     assert ("decoder/logits_dense/kernel" in shapes) == (variant != "t5_1_0")
 
     # The whole MODEL binding resolves on a CPU: the bundled vocabulary fits the embedding.

@@ -233,7 +233,7 @@ def _train(batch, out_dir: str, restore_from: str) -> tuple[list[float], dict, f
 
     model, optimizer = _tiny_model(), optim.adafactor(learning_rate=0.01)
     partitioner = Partitioner(num_partitions=TRAIN_PARTITIONS)
-    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, 16, 8)
+    abstract, shardings = trainer.state_shardings(model, optimizer, partitioner)
     init = jax.jit(
         lambda rng: trainer.initial_state(model, optimizer, rng, 16, 8), out_shardings=shardings
     )

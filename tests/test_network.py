@@ -1,4 +1,5 @@
-"""Numerical properties of the T5 network: names, axes, masking, packing, remat, dtypes."""
+"""Numerical properties of the T5 network: names, axes, masking, packing, remat, dtypes; umT5's
+position bias in every layer."""
 
 from __future__ import annotations
 
@@ -16,10 +17,17 @@ from tiny import tiny_config
 from t5tpu.errors import UserError
 from t5tpu.model import layers
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.param_shapes import abstract_params
 
 VARIANTS = {
     "t5_1_0": dict(mlp_activations=("relu",), logits_via_embedding=True),
     "t5_1_1": dict(mlp_activations=("gelu", "linear"), logits_via_embedding=False),
+    # umT5: T5 1.1 with a relative position bias in every layer of both stacks.
+    "umt5": dict(
+        mlp_activations=("gelu", "linear"),
+        logits_via_embedding=False,
+        relative_bias_per_layer=True,
+    ),
 }
 
 
@@ -81,14 +89,11 @@ def _layer_names(prefix: str, blocks: dict[str, str], mlp: list[str]) -> set[str
 
 def expected_param_names(variant: str) -> set[str]:
     mlp = ["wi"] if variant == "t5_1_0" else ["wi_0", "wi_1"]
-    names = {
-        "token_embedder/embedding",
-        "encoder/relpos_bias/rel_embedding",
-        "encoder/encoder_norm/scale",
-        "decoder/relpos_bias/rel_embedding",
-        "decoder/decoder_norm/scale",
-    }
+    names = {"token_embedder/embedding", "encoder/encoder_norm/scale", "decoder/decoder_norm/scale"}
     for i in range(2):
+        for stack in ("encoder", "decoder"):
+            per_layer = variant == "umt5"
+            names.add(f"{stack}/{f'layers_{i}/' if per_layer else ''}relpos_bias/rel_embedding")
         names |= _layer_names(f"encoder/layers_{i}", {"pre_attention_layer_norm": "attention"}, mlp)
         names |= _layer_names(
             f"decoder/layers_{i}",
@@ -98,9 +103,18 @@ def expected_param_names(variant: str) -> set[str]:
             },
             mlp,
         )
-    if variant == "t5_1_1":
+    if variant != "t5_1_0":
         names.add("decoder/logits_dense/kernel")
     return names
+
+
+def relpos_names(variant: str) -> list[str]:
+    """The position-bias tables of a variant: one per stack, or one per layer (umT5)."""
+    if variant != "umt5":
+        return ["encoder/relpos_bias/rel_embedding", "decoder/relpos_bias/rel_embedding"]
+    return [
+        f"{s}/layers_{i}/relpos_bias/rel_embedding" for s in ("encoder", "decoder") for i in (0, 1)
+    ]
 
 
 def test_parameter_names_match_t5x(variant):
@@ -110,7 +124,8 @@ def test_parameter_names_match_t5x(variant):
     assert all(v.dtype == jnp.float32 for v in flat.values())
     assert flat["encoder/layers_0/attention/query/kernel"].shape == (32, 2, 16)
     assert flat["encoder/layers_0/attention/out/kernel"].shape == (2, 16, 32)
-    assert flat["encoder/relpos_bias/rel_embedding"].shape == (2, 32)
+    for name in relpos_names(variant):
+        assert flat[name].shape == (2, 32), name
 
 
 def test_logical_axes(variant):
@@ -119,8 +134,7 @@ def test_logical_axes(variant):
     shapes = traverse_util.flatten_dict(nn.unbox(boxed), sep="/")
     expected = {
         "token_embedder/embedding": ("vocab", "embed"),
-        "encoder/relpos_bias/rel_embedding": ("heads", "relpos_buckets"),
-        "decoder/relpos_bias/rel_embedding": ("heads", "relpos_buckets"),
+        **dict.fromkeys(relpos_names(variant), ("heads", "relpos_buckets")),
         "encoder/layers_0/attention/query/kernel": ("embed", "heads", "kv"),
         "encoder/layers_1/attention/key/kernel": ("embed", "heads", "kv"),
         "decoder/layers_1/encoder_decoder_attention/value/kernel": ("embed", "heads", "kv"),
@@ -263,15 +277,8 @@ def _loss_and_grads(config: T5Config, params, enc, dec, targets, dropout_seed=No
     return jit(jax.value_and_grad(loss_fn))(params)
 
 
-def abstract_params(config: T5Config):
-    """Parameter shapes and dtypes, traced without computing anything."""
-    tokens = jax.ShapeDtypeStruct((1, 8), jnp.int32)
-    variables = jax.eval_shape(Transformer(config).init, jax.random.key(0), tokens, tokens)
-    return nn.unbox(variables["params"])
-
-
 # Deterministic for one variant, with dropout (same rng, so the same masks) for the other.
-@pytest.mark.parametrize("variant, dropout", [("t5_1_0", 0.0), ("t5_1_1", 0.1)])
+@pytest.mark.parametrize("variant, dropout", [("t5_1_0", 0.0), ("t5_1_1", 0.1), ("umt5", 0.0)])
 def test_remat_policies_match_no_remat(variant, dropout):
     enc = random_tokens(9, (2, 5))
     dec = random_tokens(10, (2, 4), low=0)
@@ -333,3 +340,25 @@ def test_layer_bias_gradient_is_the_batch_sum(batch):
     weights = jnp.asarray(rng.standard_normal((batch, 2, 3, 4)), jnp.float32)
     got = jax.grad(lambda p: jnp.sum(network._layer_bias(p, mask) * weights))(position)
     np.testing.assert_allclose(got, weights.sum(0, keepdims=True), rtol=1e-6, atol=1e-6)
+
+
+def test_per_layer_position_biases_are_each_layers_own():
+    """umT5 with every layer's table a copy of its stack's one table computes what T5 1.1
+    computes; a table changed in one layer changes the logits, so each layer reads its own."""
+    shared_config = small_config("t5_1_1")
+    shared = nn.unbox(init_params(shared_config))
+    per_layer = {**shared, "encoder": dict(shared["encoder"]), "decoder": dict(shared["decoder"])}
+    for stack in ("encoder", "decoder"):
+        table = per_layer[stack].pop("relpos_bias")
+        for i in range(2):
+            per_layer[stack][f"layers_{i}"] = {**shared[stack][f"layers_{i}"], "relpos_bias": table}
+    config = small_config("umt5")
+    enc, dec = random_tokens(14, (2, 5)), random_tokens(15, (2, 4), low=0)
+    expected = jit(Transformer(shared_config).apply)({"params": shared}, enc, dec)
+    logits = jit(Transformer(config).apply)
+    np.testing.assert_allclose(logits({"params": per_layer}, enc, dec), expected, atol=1e-6)
+    for stack in ("encoder", "decoder"):
+        changed = jax.tree.map(lambda x: x, per_layer)
+        bias = changed[stack]["layers_1"]["relpos_bias"]
+        bias["rel_embedding"] = bias["rel_embedding"] + 1.0 * np.arange(32)
+        assert not np.allclose(logits({"params": changed}, enc, dec), expected, atol=1e-3), stack

@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 from tiny import tiny_config
 
 from t5tpu import partitioning
+from t5tpu.model import param_shapes
 from t5tpu.planning.placements import boxed_params
 from t5tpu.training import optim
 
@@ -234,7 +235,7 @@ def _worker() -> dict:
     )
 
     def train(partitioner, num_microbatches=1):
-        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, 16, 8)
+        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner)
         state = jax.device_put(initial, shardings)
         first = initial.params
         step = trainer.compile_train_step(
@@ -303,7 +304,7 @@ def _worker() -> dict:
     }
 
     # Decoding: the key/value caches after one decoding step, as placed by the compiled program.
-    _, param_shardings = trainer.abstract_params(model, partitioner, 16, 8)
+    _, param_shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
 
     def cache_after_one_step(params, tokens):
         encoded = model.module.apply({"params": params}, tokens, method="encode")

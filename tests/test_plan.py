@@ -548,7 +548,8 @@ def test_plan_command_on_a_v2_8_experiment():
 
 
 @pytest.mark.parametrize(
-    "model, count", [("mt5/small", "300,176,768"), ("byt5/small", "299,637,760")]
+    "model, count",
+    [("mt5/small", "300,176,768"), ("umt5/small", "306,601,984"), ("byt5/small", "299,637,760")],
 )
 def test_plan_of_a_model_gin_alone(model, count):
     """configs/runs/plan.gin, read first, supplies what a model file leaves out (DROPOUT_RATE,

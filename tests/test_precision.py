@@ -282,7 +282,7 @@ def _fine_tune_accuracy(dtype: str, steps: int = 300) -> float:
     model = EncoderDecoderModel(tiny_config(dtype=dtype), vocabulary)
     optimizer, partitioner = optim.adamw(1e-3), Partitioner()
     lengths = (COPY_LENGTH, COPY_LENGTH)
-    _, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    _, shardings = trainer.state_shardings(model, optimizer, partitioner)
     state = trainer.initial_state(model, optimizer, jax.random.PRNGKey(0), *lengths)
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
     rng = np.random.default_rng(0)
@@ -311,7 +311,7 @@ def _model_config(name: str):
     return T5Config()
 
 
-@pytest.mark.parametrize("family", ["t5_1_0", "t5_1_1", "mt5", "byt5"])
+@pytest.mark.parametrize("family", ["t5_1_0", "t5_1_1", "mt5", "umt5", "byt5"])
 def test_model_files_default_to_bfloat16_and_tiny_to_float32(family):
     gin.add_config_file_search_path(package_files.config_search_path())
     assert _model_config(f"{family}/small").dtype == "bfloat16"

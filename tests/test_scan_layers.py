@@ -327,7 +327,7 @@ def _worker() -> dict:
     initial = jax.device_get(trainer.TrainState(np.int32(0), params, optimizer.init(params)))
 
     def train(model, partitioner):
-        _, shardings = trainer.state_shardings(model, optimizer, partitioner, 16, 8)
+        _, shardings = trainer.state_shardings(model, optimizer, partitioner)
         start = initial
         if model.config.scan_layers:
             start = layer_stacking.stack_layers(initial)  # parameters and moments
@@ -386,3 +386,31 @@ def _worker() -> dict:
 
 if __name__ == "__main__":
     print(json.dumps(_worker()))
+
+
+def test_scanned_per_layer_position_biases_decode_as_unrolled():
+    """umT5's tables (one a layer) stack on the "layers" axis like every layer parameter, and
+    the scanned network computes and decodes what the unrolled one does."""
+    config = dataclasses.replace(TINY, relative_bias_per_layer=True)
+    unrolled = random_params(config, seed=1)
+    stacked = layer_stacking.stack_layers(unrolled)
+    boxed = boxed_params(scanned(config))
+    table = boxed["encoder"]["layers"]["relpos_bias"]["rel_embedding"]
+    assert table.names == ("layers", "heads", "relpos_buckets")
+    assert table.value.shape == (3, 2, 32)
+    assert "relpos_bias" not in boxed["encoder"] and "relpos_bias" not in boxed["decoder"]
+    enc, dec = tokens(4, (2, 7)), tokens(5, (2, 5), low=0)
+    enc = enc.at[1, 5:].set(0)
+
+    def run(config, p):
+        def both(p):
+            logits = Transformer(config).apply({"params": p}, enc, dec)
+            return logits, reference_decoding.decode(Transformer(config), p, enc, 6, eos_id=1)
+
+        return jax.jit(both, compiler_options=FAST_COMPILE)(p)
+
+    logits, greedy = run(config, unrolled)
+    scan_logits, scan_greedy = run(scanned(config), stacked)
+    np.testing.assert_allclose(scan_logits, logits, atol=2e-5, rtol=2e-5)
+    np.testing.assert_array_equal(scan_greedy, greedy)
+    assert np.count_nonzero(greedy) > 6

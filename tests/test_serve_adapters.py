@@ -22,6 +22,7 @@ import threading
 import time
 
 import jax
+import module_walk
 import numpy as np
 import pytest
 from cli_runs import TINY_EXPERIMENT, succeeded, t5tpu
@@ -224,3 +225,30 @@ def test_an_adapter_of_another_base_is_refused_before_anything_loads(runs, tmp_p
         _setup(runs[None], (f"late={runs['late']}", f"late={runs['early']}"))
     # Without --model the model is the adapters' base.
     assert _setup(None, (f"late={runs['late']}",)).path == runs[None]
+
+
+def test_serving_an_adapter_walks_down_eight_modules_never_back_up_to_serve(runs):
+    """--adapter's set-up, its base and adapter loaded, and a score with it: the checkpoints,
+    records, fingerprints and model gin are read down one path of modules, none turned back to,
+    and the engine's programs (the base rounded as trained) call into model/, never back up
+    into serve/ (tests/module_walk.py)."""
+
+    def serve():
+        setup = _setup(runs[None], (f"late={runs['late']}",))
+        worker = model_setup.load_worker(setup, max_batch_size=4, say=lambda line: None)
+        worker.adapters.engine_for("late").score([[5, 6, 1]], [[7, 1]])
+
+    serve()  # imports and first calls outside the walk
+    walk = module_walk.traced(serve, os.path.commonpath([runs[None], runs["late"]]))
+    assert walk.turns_back() == []
+    assert walk.climbs("model/", "serve/") == []
+    assert walk.modules_to_the_files(module_walk.PLUMBING) == [
+        "serve/model_setup.py",
+        "serve/lora_adapters.py",
+        "formats/loader.py",
+        "storage/checkpoints.py",
+        "storage/lora_checkpoints.py",
+        "storage/lora_base_fingerprint.py",
+        "api/loading.py",
+        "config/checkpoint_gin.py",
+    ]

@@ -28,7 +28,7 @@ from cli_runs import t5tpu as run_t5tpu
 
 from t5tpu.data import vocab
 from t5tpu.data.sentencepiece_vocab import SentencePieceVocabulary
-from t5tpu.runtime import compilation_cache
+from t5tpu.storage import compilation_cache
 
 STEPS = TRAINED_TINY_STEPS
 QUESTIONS = [
@@ -137,7 +137,7 @@ def test_trim_drops_the_least_recently_used_first(tmp_path):
 TRIMMED_START = """
 import sys
 import jax
-from t5tpu.runtime import compilation_cache
+from t5tpu.storage import compilation_cache
 compilation_cache.MAX_BYTES = int(sys.argv[1])
 compilation_cache.enable()
 jax.jit(lambda x: x * 3)(1.0).block_until_ready()

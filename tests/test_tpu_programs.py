@@ -141,7 +141,7 @@ def _train_step(model, partitioner):
 
     batch, inputs, targets = TRAIN["batch"], TRAIN["inputs"], TRAIN["targets"]
     optimizer = optim.adamw(1e-4)
-    state, shardings = trainer.state_shardings(model, optimizer, partitioner, inputs, targets)
+    state, shardings = trainer.state_shardings(model, optimizer, partitioner)
     step = trainer.compile_train_step(model, optimizer, shardings, partitioner)
     lengths = {"encoder_input_tokens": inputs, "decoder_input_tokens": targets}
     lengths |= {"decoder_target_tokens": targets, "decoder_loss_weights": targets}
@@ -156,10 +156,9 @@ def _segment(model, partitioner):
     import jax
     import jax.numpy as jnp
 
-    from t5tpu.model import decoding
-    from t5tpu.training import trainer
+    from t5tpu.model import decoding, param_shapes
 
-    params, shardings = trainer.abstract_params(model, partitioner, 16, 16)
+    params, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     dtype = jnp.dtype(model.config.activation_dtype)
     params = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype if x.dtype == jnp.float32 else x.dtype),

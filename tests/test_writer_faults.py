@@ -42,9 +42,8 @@ from t5tpu.formats import conversion, hf_format
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model.network import Transformer
 from t5tpu.runners import evaluator, infer_chunks, prediction_files, results_dir
-from t5tpu.runtime import compilation_cache
+from t5tpu.storage import compilation_cache, summaries
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage import summaries
 from t5tpu.storage.writer_lock import WriterLock
 
 # Room for every writer's earlier output (the largest: a converted checkpoint, under 1 MiB).

@@ -9,7 +9,7 @@
 
 Everything here is also reachable as `t5tpu.load` / `t5tpu.finetune`; importing `t5tpu` alone
 imports neither jax nor TensorFlow. `load` and `finetune` turn on jax's persistent compilation
-cache as the command line does (t5tpu/runtime/compilation_cache.py), so a notebook's second
+cache as the command line does (t5tpu/storage/compilation_cache.py), so a notebook's second
 `load(...).predict` starts without compiling; importing changes no setting.
 """
 

@@ -11,7 +11,8 @@ runner, in this process, printing the same progress lines.
 from __future__ import annotations
 
 from t5tpu.api.loading import library_notes_hidden
-from t5tpu.runtime import compilation_cache, lazy_imports
+from t5tpu.runtime import lazy_imports
+from t5tpu.storage import compilation_cache
 
 
 def _binding(name: str, value) -> str:

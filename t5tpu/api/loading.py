@@ -22,20 +22,12 @@ from absl import logging
 from t5tpu.api.model import Shapes, T5Model
 from t5tpu.data import vocab
 from t5tpu.formats import loader
+from t5tpu.model import param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners.run_lengths import DEFAULT_LENGTHS
-from t5tpu.runtime import compilation_cache, lazy_imports
-from t5tpu.training import trainer
-
-# The shapes parameters are laid out for; any length works at call time (relative positions).
-_INIT_LENGTHS = (8, 8)
-
-
-def checkpoint_path(path: str, step: int | None = None) -> str:
-    """The checkpoint `load(path, step=step)` reads: a MODEL_DIR's newest readable one (or
-    `step`'s), else `path` itself."""
-    return loader.checkpoint_path(path, step)
+from t5tpu.runtime import lazy_imports
+from t5tpu.storage import compilation_cache
 
 
 def load(
@@ -72,7 +64,7 @@ def load(
     with library_notes_hidden():
         checkpoint = loader.open_checkpoint(str(path), step=step, setting="path")
         model, has_vocabulary = _network(checkpoint, gin_files, dtype)
-        abstract, shardings = trainer.abstract_params(model, partitioner, *_INIT_LENGTHS)
+        abstract, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
         params = checkpoint.load(abstract, shardings)
         record = checkpoint.run_record()
     recorded = (record.input_length, record.target_length) if record else DEFAULT_LENGTHS

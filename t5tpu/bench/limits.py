@@ -185,6 +185,8 @@ def decode_step_bytes(config, batch: int, input_length: int, new_tokens: int, be
     mlp = (len(config.mlp_activations) + 1) * d * config.mlp_dim
     layer = 4 * d * inner + 2 * d * inner + mlp + 3 * d
     relpos = config.relative_attention_num_buckets * config.num_heads
+    if config.relative_bias_per_layer:  # umT5: a table in every layer
+        relpos *= layers
     rows = batch * beams
     item = jnp.dtype(config.activation_dtype).itemsize  # weights and caches alike
     tied = config.logits_via_embedding

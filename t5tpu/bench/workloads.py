@@ -29,6 +29,7 @@ from t5tpu.bench.report import (
 from t5tpu.bench.timing import Workload, compile_seconds, measure
 from t5tpu.bench.workload_names import FLOAT32, HF, OURS
 from t5tpu.errors import UserError
+from t5tpu.model import param_shapes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +140,7 @@ def bench_train(model, args, batch, probes: dict) -> Workload:
     partitioner = Partitioner()
     partitioner.check_batch_size("--batch_size", args.batch_size)  # before any compile
     lengths = (args.input_length, args.target_length)
-    _, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    _, shardings = trainer.state_shardings(model, optimizer, partitioner)
     state = jax.jit(
         lambda rng: trainer.initial_state(model, optimizer, rng, *lengths), out_shardings=shardings
     )(jax.random.PRNGKey(args.seed))
@@ -186,11 +187,9 @@ def _engine(model, args, batch_size: int, target_length: int):
     weights, for batches of `batch_size` rows of args.input_length ids."""
     from t5tpu.model import engine
     from t5tpu.partitioning import Partitioner
-    from t5tpu.training import trainer
 
     partitioner = Partitioner()
-    lengths = (args.input_length, target_length)
-    _, shardings = trainer.abstract_params(model, partitioner, *lengths)
+    _, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     return engine.Engine(
         network=model,
         params=_random_params(model, args),

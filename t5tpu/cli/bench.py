@@ -6,7 +6,9 @@ This module is the command: its flags and its output. The measuring is bench_wor
 bench_hf's (--compare_hf), bench_limits' (the machine's limits), bench_kernels' (the workloads'
 own matmuls alone), bench_timing's and bench_report's, imported once the flags have been
 parsed, since they load jax (and torch).
-docs/PERFORMANCE.md records results and how they were taken.
+docs/PERFORMANCE.md records results and how they were taken; the benchmarks beyond these
+workloads (infer at scale, CTranslate2, serve under load, a step's profile) are scripts/bench/'s,
+each with its command in its header.
 """
 
 from __future__ import annotations

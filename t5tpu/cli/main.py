@@ -18,7 +18,8 @@ from absl import app, flags, logging
 
 from t5tpu.cli import commands, gin_flags, help_text
 from t5tpu.errors import EnvironmentFault, UserError, environment_fault, one_line_message
-from t5tpu.runtime import compilation_cache, host_memory, lazy_imports, multihost
+from t5tpu.runtime import host_memory, lazy_imports, multihost
+from t5tpu.storage import compilation_cache
 
 HELP_WORDS = frozenset({"-h", "--help", "--helpshort", "help"})
 # Exit codes: the user's input (fix it and rerun) versus the machine (a full disk, a failing

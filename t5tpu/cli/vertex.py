@@ -13,6 +13,7 @@ from t5tpu import package_files
 from t5tpu.cli.tool_parser import ToolParser
 from t5tpu.cloud import vertex_spec
 from t5tpu.errors import UserError
+from t5tpu.storage import locations
 
 NAME = "vertex-submit"
 SUMMARY = "run train/eval/infer as a Vertex AI custom job (--dry_run prints its spec)"
@@ -59,7 +60,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 def check_gin_file(path: str) -> None:
     """The job reads gin files inside the container: shipped configs or gs:// ones."""
-    if "://" in path:
+    if locations.is_remote(path):
         return
     if not os.path.isfile(os.path.join(package_files.config_search_path(), path)):
         raise UserError(

@@ -24,7 +24,7 @@ from etils import epath
 from t5tpu import package_files, validators
 from t5tpu.config import macro_limits
 from t5tpu.errors import UserError, environment_fault, one_line_message
-from t5tpu.storage import atomic_files, user_files
+from t5tpu.storage import atomic_files, locations, user_files
 
 CONFIGURABLE_MODULES = (
     "t5tpu.model.network",
@@ -49,7 +49,7 @@ def import_configurables() -> None:
 
 
 def _is_remote_file(path: str) -> bool:
-    return "://" in path and epath.Path(path).exists()
+    return locations.is_remote(path) and epath.Path(path).exists()
 
 
 # Far beyond any config: a larger file named as one is something else, and is not read whole.
@@ -160,9 +160,7 @@ def _check_files_exist(gin_files: list[str], roots: list[str]) -> None:
     own, with the checkout as the working directory)."""
     for path in gin_files:
         candidates = (
-            [path]
-            if os.path.isabs(path) or "://" in path
-            else [os.path.join(root, path) for root in roots]
+            [path] if locations.is_absolute(path) else [os.path.join(root, path) for root in roots]
         )
         if not any(epath.Path(candidate).exists() for candidate in candidates):
             raise UserError(

@@ -22,6 +22,7 @@ from t5tpu.data import availability
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.partitioning import DataLayout
 from t5tpu.runtime.lazy_imports import seqio, tf
+from t5tpu.storage import locations
 
 
 def feature_converter(pack: bool) -> seqio.FeatureConverter:
@@ -164,7 +165,7 @@ class InputStream:
     def save(self, prefix: str) -> None:
         """Writes the position (the shuffle and prefetch buffers included) to `prefix`.*."""
         name = f"{prefix}.{self._fingerprint}"
-        if not _is_remote(prefix):
+        if not locations.is_remote(prefix):
             tf.train.Checkpoint(input=self._iterator).write(name)
             return
         with tempfile.TemporaryDirectory() as local:
@@ -177,7 +178,7 @@ class InputStream:
 
     def restore(self, prefix: str) -> None:
         name = f"{prefix}.{self._fingerprint}"
-        if not _is_remote(prefix):
+        if not locations.is_remote(prefix):
             tf.train.Checkpoint(input=self._iterator).read(name).assert_consumed()
             return
         with tempfile.TemporaryDirectory() as local:
@@ -187,7 +188,3 @@ class InputStream:
                 file.copy(epath.Path(local) / f"position{suffix}")
             checkpoint = tf.train.Checkpoint(input=self._iterator)
             checkpoint.read(os.path.join(local, "position")).assert_consumed()
-
-
-def _is_remote(path: str) -> bool:
-    return "://" in path

@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 from etils import epath
 
 from t5tpu.errors import UserError
-from t5tpu.storage import user_files
+from t5tpu.storage import locations, user_files
 
 TSV_SUFFIXES = (".tsv", ".txt")
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -51,7 +51,7 @@ def matching_files(patterns: str | Sequence[str], setting: str) -> list[str]:
 def _shown(pattern: str) -> str:
     """The pattern, and for a relative one where it was looked for: the bundled experiments name
     repository files (examples/...) that exist only from the checkout's root."""
-    if "://" in pattern or os.path.isabs(pattern):
+    if locations.is_absolute(pattern):
         return pattern
     return f"{pattern} (relative to the current directory, {os.getcwd()})"
 

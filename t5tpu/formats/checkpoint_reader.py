@@ -16,18 +16,17 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import math
 import re
 from collections.abc import Callable, Mapping
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import traverse_util
 
 from t5tpu.errors import UserError
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.network import T5Config
 from t5tpu.storage.checkpoints import flat_shapes, geometry_differences
 from t5tpu.storage.run_record import RunRecord
 
@@ -61,7 +60,8 @@ _LAYER_PARAM = re.compile(r"(encoder|decoder)/layers_(\d+)/(\w+)/(\w+)(?:/(\w+))
 class T5Names:
     """How a format spells the `t5` library's parameter names, which Mesh TF and Hugging Face
     both follow: format strings over {stack}, {index} (the block), {sublayer}, {module}
-    ('SelfAttention', 'EncDecAttention', ...) and {part} ('q', 'wi_0', ...)."""
+    ('SelfAttention', 'EncDecAttention', ...) and {part} ('q', 'wi_0', ...). The position bias
+    is block {index}'s: block 0's where a stack has one, each block's own in umT5."""
 
     embedding: str
     logits: str
@@ -81,11 +81,13 @@ class T5Names:
             f"{stack}/{stack}_norm/scale": self.final_norm,
         }
         if name in outside_layers:
-            return outside_layers[name].format(stack=stack)
+            return outside_layers[name].format(stack=stack, index=0)
         match = _LAYER_PARAM.match(name)
         if not match:
             raise ValueError(f"no `t5` library name for t5tpu parameter {name}")
         stack, index, module, part, _ = match.groups()
+        if module == "relpos_bias":  # umT5: every layer's own, in its self-attention
+            return self.relpos_bias.format(stack=stack, index=int(index))
         sublayer, t5_module = _T5_SUBLAYERS[stack][module]
         by_module = {"layer_norm": self.layer_norm, "DenseReluDense": self.mlp}
         return by_module.get(t5_module, self.attention).format(
@@ -219,6 +221,19 @@ def _unchanged(name: str) -> str:
     return name
 
 
+def _needed_shape(shapes, stored: str, dims: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape of tensor `stored`, which a T5 checkpoint must have with `dims` dimensions."""
+    if stored not in shapes:
+        raise UserError(f"checkpoint has no {stored}; is it a T5 encoder-decoder checkpoint?")
+    shape = shapes[stored]
+    # Read from the file: a damaged one must not size (and trace) a model of any shape.
+    if len(shape) not in dims or not all(0 < size < _MAX_SIZE for size in shape):
+        raise UserError(
+            f"checkpoint has {stored} of shape {tuple(shape)}, not a T5's; is it damaged?"
+        )
+    return shape
+
+
 def config_from_flat_shapes(
     shapes: Mapping[str, tuple[int, ...]], stored_name: Callable[[str], str] = _unchanged
 ) -> T5Config:
@@ -226,25 +241,16 @@ def config_from_flat_shapes(
     t5tpu parameter `stored_name` gives (default: t5tpu's own).
 
     What shapes cannot tell is taken as T5 does: a gated feed-forward (wi_0/wi_1) is T5 1.1's
-    gated-GELU, and relative positions saturate at distance 128.
+    gated-GELU, and relative positions saturate at distance 128. A position-bias table in layer
+    0 and none beside the layers is umT5's, one in every layer (a format that names both alike,
+    as Mesh TF does, keeps one per stack).
     """
 
     def has(name):
         return stored_name(name) in shapes
 
-    def need(name):
-        if not has(name):
-            raise UserError(
-                f"checkpoint has no {stored_name(name)}; is it a T5 encoder-decoder checkpoint?"
-            )
-        shape = shapes[stored_name(name)]
-        # Read from the file: a damaged one must not size (and trace) a model of any shape.
-        if len(shape) != 2 or not all(0 < size < _MAX_SIZE for size in shape):
-            raise UserError(
-                f"checkpoint has {stored_name(name)} of shape {tuple(shape)}, not a T5's; "
-                "is it damaged?"
-            )
-        return shape
+    def need(name, dims=(2,)):
+        return _needed_shape(shapes, stored_name(name), dims)
 
     def count(stack):
         layers = 0
@@ -253,8 +259,14 @@ def config_from_flat_shapes(
         return layers
 
     vocab_size, emb_dim = need("token_embedder/embedding")
-    num_heads, num_buckets = need("encoder/relpos_bias/rel_embedding")
-    joined_kv = need("encoder/layers_0/attention/query/kernel")[1]
+    shared_relpos, first_relpos = (
+        "encoder/relpos_bias/rel_embedding",
+        "encoder/layers_0/relpos_bias/rel_embedding",
+    )
+    per_layer = has(first_relpos) and not has(shared_relpos)
+    num_heads, num_buckets = need(first_relpos if per_layer else shared_relpos)
+    # [embed, heads*kv] flat; T5X's scalable_t5 keeps [embed, heads, kv] as t5tpu does.
+    joined_kv = math.prod(need("encoder/layers_0/attention/query/kernel", dims=(2, 3))[1:])
     if joined_kv % num_heads:
         raise UserError(
             f"checkpoint has {stored_name('encoder/layers_0/attention/query/kernel')} of "
@@ -273,13 +285,5 @@ def config_from_flat_shapes(
         ),
         logits_via_embedding=not has("decoder/logits_dense/kernel"),
         relative_attention_num_buckets=num_buckets,
+        relative_bias_per_layer=per_layer,
     )
-
-
-def abstract_params(config: T5Config):
-    """Parameter shapes of a model with this geometry, without allocating it, in the layers_N
-    layout that every checkpoint format uses (whatever config.scan_layers says)."""
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    unrolled = Transformer(dataclasses.replace(config, scan_layers=False))
-    variables = jax.eval_shape(unrolled.init, jax.random.PRNGKey(0), tokens, tokens)
-    return nn.unbox(variables["params"])

@@ -27,7 +27,6 @@ from etils import epath
 
 from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
-    checkpoint_reader,
     hf_format,
     hf_run_record,
     hf_tokenizer,
@@ -36,9 +35,9 @@ from t5tpu.formats import (
     vocabulary_source,
 )
 from t5tpu.formats.vocabulary_source import VocabularySource
-from t5tpu.model import lora
+from t5tpu.model import lora, param_shapes
 from t5tpu.model.network import T5Config
-from t5tpu.storage import atomic_files, checkpoints, remote, save_guards
+from t5tpu.storage import atomic_files, checkpoints, locations, remote, save_guards
 from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
 
 # Geometry fields written into model.gin, in this order.
@@ -54,11 +53,8 @@ _GEOMETRY = (
     "logits_via_embedding",
     "relative_attention_num_buckets",
     "relative_attention_max_distance",
+    "relative_bias_per_layer",
 )
-
-
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,8 +100,8 @@ def _parent(path: str) -> str:
 def _check_output(output_dir: str, input_path: str, overwrite: bool) -> None:
     """Refuses to write into a non-empty directory without --overwrite, and to write where
     the input is (which --overwrite would delete)."""
-    inside = os.path.join(_absolute(input_path), "").startswith(
-        os.path.join(_absolute(output_dir), "")
+    inside = os.path.join(locations.absolute(input_path), "").startswith(
+        os.path.join(locations.absolute(output_dir), "")
     )
     if inside:
         raise UserError(f"--output_dir={output_dir} contains --input; choose another directory")
@@ -148,7 +144,7 @@ def _written_output(output_dir: str) -> Iterator[str]:
     (--overwrite) only once the block completes. On a failure the staging folder goes, and
     `output_dir` too if this run made it: what was there is as it was, and the same command
     can be rerun. On gs://, where a rename is a copy, the output is written in place."""
-    if "://" in output_dir:
+    if locations.is_remote(output_dir):
         _replace_output(output_dir)
         yield output_dir
         return
@@ -221,10 +217,10 @@ def to_t5tpu(
     reader = loader.IMPORTERS[source](input_path)
     config = reader.config()
     step = reader.step
-    params = reader.load(checkpoint_reader.abstract_params(config))
+    params = reader.load(param_shapes.abstract_params(config, unrolled=True))
     vocabulary = reader.vocabulary()
 
-    output_dir = _absolute(output_dir)
+    output_dir = locations.absolute(output_dir)
     checkpoint = checkpoint_dir(output_dir, step)
     model_file = vocabulary.model_file and epath.Path(vocabulary.model_file).read_bytes()
     if model_file:  # model.gin names the copy, which moves with the checkpoint
@@ -269,7 +265,7 @@ LORA_OUTPUTS = ("merged", "adapters", "base")
 
 def _export_adapters(checkpoint: loader.Checkpoint, config: T5Config, output_dir: str) -> None:
     """A LoRA checkpoint's adapters alone, in PEFT's format."""
-    adapters = checkpoint.adapters(checkpoint_reader.abstract_params(config))
+    adapters = checkpoint.adapters(param_shapes.abstract_params(config, unrolled=True))
     with _written_output(output_dir) as folder:
         peft_format.export(jax.device_get(adapters), checkpoint.lora.settings, config, folder)
     print(
@@ -307,7 +303,7 @@ def to_hf(
     if lora_output == "adapters":
         _export_adapters(checkpoint, model.config, output_dir)
         return
-    abstract = checkpoint_reader.abstract_params(model.config)
+    abstract = param_shapes.abstract_params(model.config, unrolled=True)
     if lora_output == "base":
         parts = checkpoint.load_apart(abstract)
         params = lora.base_as_trained(parts.base, parts.settings.base_dtype)

@@ -3,9 +3,11 @@ either possibly sharded with an index file), and the tokenizer files (hf_tokeniz
 
 Covers t5-small ... t5-11b (T5 1.0: ReLU, output layer tied to the embedding and scaled by
 1/sqrt(d_model)), google/t5-v1_1-*, google/flan-t5-* and google/mt5-* (gated-GELU, separate
-lm_head). Hugging Face names follow the `t5` library's: block i, sublayer k, q/k/v/o, wi/wo,
-and keeps the relative position bias in block 0 where t5tpu has one per stack. Its kernels are
-torch Linear weights, [out, in]: the transpose of T5X's flat layout.
+lm_head), and google/umt5-* (model_type 'umt5': mT5's with a position bias in every layer).
+Hugging Face names follow the `t5` library's: block i, sublayer k, q/k/v/o, wi/wo, and keeps
+the relative position bias in block 0 where t5tpu has one per stack (umT5: in each block's
+self-attention). Its kernels are torch Linear weights, [out, in]: the transpose of T5X's flat
+layout.
 
 Safetensors is read and written here from its published layout (8-byte little-endian header
 length, a JSON header of {name: dtype, shape, data_offsets}, then the raw little-endian bytes), so
@@ -102,6 +104,28 @@ def _activations(feed_forward_proj: str) -> tuple[str, ...]:
     return (activation, "linear") if gated else (activation,)
 
 
+# model_type -> (transformers' class, the feed_forward_proj its config class defaults to).
+_MODEL_TYPES = {
+    "t5": ("T5ForConditionalGeneration", "relu"),
+    "mt5": ("MT5ForConditionalGeneration", "gated-gelu"),
+    "umt5": ("UMT5ForConditionalGeneration", "gated-gelu"),
+}
+
+
+def _model_type(get, source: str) -> str:
+    """config.json's model_type; google/umt5-*'s name none, only their UMT5 architecture."""
+    model_type = get("model_type", str)
+    if model_type is None:
+        architectures = get("architectures", list, [])
+        umt5 = any(str(name).startswith("UMT5") for name in architectures)
+        model_type = "umt5" if umt5 else "t5"
+    if model_type not in _MODEL_TYPES:
+        raise UserError(
+            f"{source} is a {model_type!r} model; t5tpu imports {', '.join(_MODEL_TYPES)}"
+        )
+    return model_type
+
+
 def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> T5Config:
     """The T5Config of a Hugging Face T5 config.json (as a dict); wrong types and sizes that
     are not positive integers are refused in one line naming `source`."""
@@ -119,9 +143,7 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> T5Config:
             raise UserError(f"{source} has {key}={value}; a T5 config.json's sizes are positive")
         return value
 
-    model_type = get("model_type", str, "t5")
-    if model_type not in ("t5", "mt5"):
-        raise UserError(f"{source} is a {model_type!r} model; t5tpu imports t5 and mt5")
+    model_type = _model_type(get, source)
     epsilon = get("layer_norm_epsilon", (int, float), LAYER_NORM_EPSILON)
     if not np.isclose(epsilon, LAYER_NORM_EPSILON, rtol=1e-6, atol=0):
         raise UserError(f"{source} has layer_norm_epsilon={epsilon}; t5tpu uses 1e-6 as T5 does")
@@ -134,24 +156,27 @@ def config_from_hf(hf: dict, source: str = CONFIG_FILE) -> T5Config:
         mlp_dim=sizes["d_ff"],
         num_encoder_layers=sizes["num_layers"],
         num_decoder_layers=get("num_decoder_layers", int, sizes["num_layers"]),
-        mlp_activations=_activations(get("feed_forward_proj", str, "relu")),
+        mlp_activations=_activations(get("feed_forward_proj", str, _MODEL_TYPES[model_type][1])),
         logits_via_embedding=get("tie_word_embeddings", bool, True),
         relative_attention_num_buckets=get("relative_attention_num_buckets", int, 32),
         relative_attention_max_distance=get("relative_attention_max_distance", int, 128),
+        relative_bias_per_layer=model_type == "umt5",
     )
 
 
 def hf_config(config: T5Config) -> dict:
-    """A config.json for transformers' T5ForConditionalGeneration with this geometry."""
+    """A config.json for transformers' T5ForConditionalGeneration with this geometry
+    (UMT5ForConditionalGeneration with a position bias in every layer)."""
     activations = tuple(config.mlp_activations)
     if activations not in _ACTIVATIONS_TO_HF:
         raise UserError(
             f"mlp_activations={activations} has no Hugging Face T5 equivalent; export supports "
             f"{', '.join(map(str, _ACTIVATIONS_TO_HF))}"
         )
+    model_type = "umt5" if config.relative_bias_per_layer else "t5"
     return {
-        "architectures": ["T5ForConditionalGeneration"],
-        "model_type": "t5",
+        "architectures": [_MODEL_TYPES[model_type][0]],
+        "model_type": model_type,
         "vocab_size": config.vocab_size,
         "d_model": config.emb_dim,
         "d_kv": config.head_dim,
@@ -175,6 +200,13 @@ def hf_config(config: T5Config) -> dict:
     }
 
 
+def _relpos_name(config: T5Config) -> str:
+    """The encoder's (first) position-bias table: the stack's, or layer 0's (umT5)."""
+    if config.relative_bias_per_layer:
+        return "encoder/layers_0/relpos_bias/rel_embedding"
+    return "encoder/relpos_bias/rel_embedding"
+
+
 def _read_json(path: str) -> dict:
     return user_files.read_json(path, what=_CONFIG_WHAT, max_bytes=_MAX_JSON_BYTES)
 
@@ -187,7 +219,7 @@ def _read_json(path: str) -> dict:
 NAMES = checkpoint_reader.T5Names(
     embedding="shared.weight",
     logits="lm_head.weight",
-    relpos_bias="{stack}.block.0.layer.0.SelfAttention.relative_attention_bias.weight",
+    relpos_bias="{stack}.block.{index}.layer.0.SelfAttention.relative_attention_bias.weight",
     final_norm="{stack}.final_layer_norm.weight",
     layer_norm="{stack}.block.{index}.layer.{sublayer}.layer_norm.weight",
     mlp="{stack}.block.{index}.layer.{sublayer}.DenseReluDense.{part}.weight",
@@ -394,7 +426,7 @@ class HFCheckpoint(checkpoint_reader.CheckpointReader):
                 config.num_heads,
                 config.head_dim,
             ),
-            "encoder/relpos_bias/rel_embedding": (
+            _relpos_name(config): (
                 config.num_heads,
                 config.relative_attention_num_buckets,
             ),

@@ -8,7 +8,7 @@ holds (`model()`: the gin files given, else the model.gin or config.gin beside a
 checkpoint, read here and nowhere else) and restores its parameters onto the caller's shapes,
 shardings and dtype (`load()`).
 
-A LoRA run's checkpoint holds its adapters alone (storage/adapted_checkpoints.py) and names its
+A LoRA run's checkpoint holds its adapters alone (storage/lora_checkpoints.py) and names its
 base (path and fingerprint): `load()` opens that base here, in whatever format it is, after
 checking its fingerprint, and merges the adapters into the base as they were trained on it
 (model/lora.py's base_as_trained); `load_apart()` keeps them apart for a caller that runs the
@@ -29,11 +29,11 @@ from t5tpu.config import checkpoint_gin
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
 from t5tpu.formats import checkpoint_reader, hf_format, mesh_tf_format, t5x_format
-from t5tpu.model import layer_stacking, lora, precision
+from t5tpu.model import layer_stacking, lora, param_shapes, precision
 from t5tpu.model.network import T5Config
-from t5tpu.storage import adapted_checkpoints, checkpoints, remote
+from t5tpu.storage import checkpoints, locations, lora_checkpoints, remote
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage.lora_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
 # The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
@@ -46,10 +46,6 @@ IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
 BASE_SETTING = "the LoRA run's base"
 
 
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
 @dataclasses.dataclass(frozen=True)
 class StepDir:
     """A t5tpu checkpoint_<step> directory: its MODEL_DIR (absolute, as orbax needs) and step."""
@@ -58,16 +54,16 @@ class StepDir:
     step: int
 
 
-def _named_step_dir(path: str) -> StepDir | None:
+def named_step_dir(path: str) -> StepDir | None:
     """The StepDir that `path` names (checkpoint_<step>), from its name alone, else None."""
-    path = _absolute(path.rstrip("/"))
+    path = locations.absolute(path.rstrip("/"))
     step = paths.step_of(path)
     return None if step is None else StepDir(os.path.dirname(path), step)
 
 
 def _t5tpu_step_dir(path: str) -> StepDir | None:
     """The StepDir of a t5tpu checkpoint_<step> directory (it holds params/), else None."""
-    named = _named_step_dir(path)
+    named = named_step_dir(path)
     return named if named and epath.Path(path, "params").is_dir() else None
 
 
@@ -132,7 +128,7 @@ def open_checkpoint(
     path = checkpoint_path(path, step)
     source = detect_format(path, setting)
     if source == "t5tpu":
-        named = _named_step_dir(path)
+        named = named_step_dir(path)
         return in_model_dir(named.model_dir, named.step)
     return Checkpoint(path=path, format=source, reader=IMPORTERS[source](path))
 
@@ -140,7 +136,7 @@ def open_checkpoint(
 def in_model_dir(model_dir: str, step: int) -> Checkpoint:
     """Checkpoint `step` of a t5tpu MODEL_DIR, known to be there (the runners list the steps
     first), with its LoRA record if it is a LoRA run's."""
-    model_dir = _absolute(model_dir.rstrip("/"))
+    model_dir = locations.absolute(model_dir.rstrip("/"))
     # A damaged one is refused in one line before orbax reads it: its metadata in a traceback,
     # or a restore that fails part-way, its worker threads printing tracebacks.
     checkpoints.check_readable(model_dir, step)
@@ -149,7 +145,7 @@ def in_model_dir(model_dir: str, step: int) -> Checkpoint:
         path=paths.checkpoint_dir(model_dir, step),
         format="t5tpu",
         step_dir=StepDir(model_dir, step),
-        lora=adapted_checkpoints.record_of(mngr, step),
+        lora=lora_checkpoints.record_of(mngr, step),
         manager=mngr,
     )
 
@@ -236,8 +232,12 @@ class Checkpoint:
     def check_geometry(self, abstract_params) -> None:
         """Refuses, listing the differences, a t5tpu checkpoint (or its adapters) that is not
         of the model `abstract_params` describe; imported ones are checked as they are read."""
-        if self.step_dir:
-            adapted_checkpoints.check_geometry(self.manager, self.step, abstract_params)
+        if self.lora:
+            unrolled = layer_stacking.unstack_layers(abstract_params)
+            expected = lora.adapter_shapes(unrolled, None, self.lora.settings)
+            lora_checkpoints.check_geometry(self.manager, self.step, expected)
+        elif self.step_dir:
+            checkpoints.check_geometry(self.manager, self.step, abstract_params)
 
     def load(self, abstract_params, shardings=None, *, dtype: str | None = None):
         """Plain parameters like `abstract_params`: a LoRA run's with its adapters merged into
@@ -270,9 +270,10 @@ class Checkpoint:
         against the ones the model's kernels (`abstract_params`) take."""
         if not self.lora:
             raise UserError(f"{self.path} is not a LoRA run's checkpoint; it holds no adapters")
-        return adapted_checkpoints.restore_adapters(
-            self.manager, self.step, abstract_params, _placed(abstract_params, shardings), self.lora
-        )
+        self.check_geometry(abstract_params)
+        placed = _placed(abstract_params, shardings)
+        targets = lora.adapter_shapes(abstract_params, placed, self.lora.settings)
+        return lora_checkpoints.restore_adapters(self.manager, self.step, targets)
 
     def _restored(self, abstract_params, shardings):
         return checkpoints.restore_params(
@@ -337,7 +338,7 @@ def _gin_model() -> _GinModel:
     return _GinModel(
         config=config,
         vocabulary=vocab.default_vocabulary() if bound else None,
-        shapes=checkpoints.flat_shapes(checkpoint_reader.abstract_params(config)),
+        shapes=checkpoints.flat_shapes(param_shapes.abstract_params(config, unrolled=True)),
     )
 
 

@@ -26,7 +26,7 @@ from etils import epath
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.formats import checkpoint_reader, tf_bundle_index
 from t5tpu.runtime.lazy_imports import tf
-from t5tpu.storage import remote, user_files
+from t5tpu.storage import locations, remote, user_files
 
 _TF_STATE_MAGIC = b"model_checkpoint_path"
 _STEP_VARIABLE = "global_step"
@@ -39,7 +39,7 @@ _ALIASES = (
 NAMES = checkpoint_reader.T5Names(
     embedding="shared/embedding",
     logits="decoder/logits/kernel",
-    relpos_bias="{stack}/block_000/layer_000/SelfAttention/relative_attention_bias",
+    relpos_bias="{stack}/block_{index:03d}/layer_000/SelfAttention/relative_attention_bias",
     final_norm="{stack}/final_layer_norm/scale",
     layer_norm="{stack}/block_{index:03d}/layer_{sublayer:03d}/layer_norm/scale",
     mlp="{stack}/block_{index:03d}/layer_{sublayer:03d}/DenseReluDense/{part}/kernel",
@@ -79,7 +79,7 @@ def checkpoint_prefix(path: str) -> str:
             "a directory whose `checkpoint` file names one"
         )
     named = match.group(1)
-    prefix = named if named.startswith("/") or "://" in named else os.path.join(path, named)
+    prefix = named if locations.is_absolute(named) else os.path.join(path, named)
     if not remote.answered(epath.Path(prefix + ".index").exists, path=prefix, setting=_WHAT):
         raise UserError(
             f"cannot read a TensorFlow checkpoint at {path} ({state} names {named}, but "

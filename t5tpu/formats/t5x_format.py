@@ -12,10 +12,18 @@ Only 'target' is read; the optimizer's slots are left on disk.
 T5X parameter names are t5tpu's; its attention kernels are stored 2-D ("flat layout", see
 checkpoint_reader). Version 2 checkpoints stored bfloat16 arrays as uint16 bit patterns; they are
 reinterpreted as bfloat16.
+
+T5X's scalable_t5 (umT5's released checkpoints) keeps attention kernels 3-D as t5tpu does and a
+position bias in every layer; scanned, each stack is one subtree `encoder/encoder/...` (the
+scan is a module named like its stack) whose leaves hold every layer along one axis, 1 unless
+T5Config.param_scan_axis said otherwise: `encoder/encoder/attention/query/kernel` is [embed,
+layers, heads, kv]. The reader shows those as the unrolled layers_N names, each read as its
+slice of the stacked array (TensorStore reads only that slice's chunks).
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -33,6 +41,9 @@ from t5tpu.storage import user_files
 INDEX_FILE = "checkpoint"
 _TF_STATE_MAGIC = b"model_checkpoint_path"  # a TF checkpoint state file, also named `checkpoint`
 _WHAT = "T5X checkpoint"
+# A scanned stack's leaf (scalable_t5): the stack's name twice, then the layer's own path.
+_SCANNED = re.compile(r"(encoder|decoder)/\1/(.+)$")
+_SCAN_AXIS = 1  # T5X's default param_scan_axis
 
 
 def checkpoint_dir(path: str) -> str:
@@ -41,6 +52,16 @@ def checkpoint_dir(path: str) -> str:
     if os.path.basename(path) == INDEX_FILE and not epath.Path(path).is_dir():
         return os.path.dirname(path)
     return path
+
+
+def _layer_axis(shapes: dict, stack: str) -> int:
+    """The layer axis of a scanned stack's leaves, read off a norm's scale ([embed, layers] or
+    [layers, embed], embed from the embedding's width); T5X's default where it cannot tell."""
+    scale = shapes.get(f"{stack}/{stack}/pre_mlp_layer_norm/scale", ())
+    embedding = shapes.get("token_embedder/embedding", ())
+    if len(scale) == 2 and len(embedding) == 2 and scale.count(embedding[1]) == 1:
+        return 1 - scale.index(embedding[1])
+    return _SCAN_AXIS
 
 
 def _is_tensorstore_spec(leaf) -> bool:
@@ -127,12 +148,43 @@ class T5XCheckpoint(checkpoint_reader.CheckpointReader):
             return not f.read(len(_TF_STATE_MAGIC)).startswith(_TF_STATE_MAGIC)
 
     def shapes(self) -> dict[str, tuple[int, ...]]:
-        return {name: self._shape(name, leaf) for name, leaf in self._leaves.items()}
+        return dict(self._view[0])
+
+    def source(self, name: str, shape: tuple[int, ...]) -> checkpoint_reader.Source:
+        """scalable_t5's kernels are stored in t5tpu's own shape; the others flat."""
+        if self._view[0].get(name) == tuple(shape):
+            return checkpoint_reader.Source(name, tuple(shape), lambda array: array)
+        return super().source(name, shape)
+
+    @functools.cached_property
+    def _view(self) -> tuple[dict, dict]:
+        """({name: shape} as read, scanned stacks' leaves as layers_N; {layers_N name: (stored
+        name, layer axis, layer)} of those)."""
+        stored = {name: self._shape(name, leaf) for name, leaf in self._leaves.items()}
+        shapes, slices = {}, {}
+        for name, shape in stored.items():
+            match = _SCANNED.match(name)
+            if not match or not shape:
+                shapes[name] = shape
+                continue
+            stack, rest = match.groups()
+            axis = _layer_axis(stored, stack)
+            layer_shape = shape[:axis] + shape[axis + 1 :]
+            for i in range(shape[axis] if axis < len(shape) else 0):
+                slices[f"{stack}/layers_{i}/{rest}"] = (name, axis, i)
+                shapes[f"{stack}/layers_{i}/{rest}"] = layer_shape
+        return shapes, slices
 
     def read(self, name: str) -> np.ndarray:
-        leaf = self._leaves[name]
+        stored, axis, layer = self._view[1].get(name, (name, None, None))
+        index = () if axis is None else (slice(None),) * axis + (layer,)
+        leaf = self._leaves[stored]
         if not _is_tensorstore_spec(leaf):
-            return np.asarray(leaf)
+            return np.asarray(leaf)[index]
+        return self._read_store(stored, leaf, index)
+
+    def _read_store(self, name: str, leaf: dict, index: tuple) -> np.ndarray:
+        """`index` of the TensorStore array `leaf` (checked against the index's shape first)."""
         try:
             store = ts.open(self._absolute_spec(leaf), open=True, read=True).result()
             # The array's own metadata may say another shape than the index (whose shape the
@@ -144,7 +196,7 @@ class T5XCheckpoint(checkpoint_reader.CheckpointReader):
                     f"{name}'s array is a {store.dtype.name} {tuple(store.shape)}, not the "
                     f"{self._shape(name, leaf)} the index gives"
                 )
-            array = store.read().result()
+            array = store[index].read().result() if index else store.read().result()
         except ValueError as e:  # TensorStore's errors: missing, cut or undecodable data
             raise UserError(
                 f"{self.description}: {name} cannot be read ({one_line_message(e)[:160]}); "

@@ -4,7 +4,7 @@ XLA:CPU runs a bfloat16 dot fast in one orientation: the weight on the left, con
 last dim, the rows on the right, a [features, rows] result. Then YNNPACK streams the weight as
 it lies in memory; in the network's own orientation ([rows, in] x [in, out]) it was measured
 reading a decoding step's weights at a third of the memory's rate (docs/PERFORMANCE.md,
-scripts/dot_orientation.py). This step reads the same caches as the network's decode
+scripts/bench/dot_orientation.py). This step reads the same caches as the network's decode
 (network.py) and returns the same logits, with each decoder kernel held transposed ([out, in],
 `Weights`, made once by the engine), the hidden state flowing as [features, rows] from dot to
 dot, and the attention over the caches done by the network's own function (layers.attend).
@@ -44,11 +44,12 @@ def applies(config, platform: str) -> bool:
 class Weights:
     """The decoder's parameters as this step reads them: each layer's kernels as [out, in] (by
     "block/name") and norm scales, the final norm's scale, the self-attention position-bias
-    table, the output layer as [vocab, embed] and the token table as the engine holds it."""
+    table (None where each layer has its own, as its "relpos": umT5), the output layer as
+    [vocab, embed] and the token table as the engine holds it."""
 
     layers: tuple
     final_norm: Array
-    relpos: Array
+    relpos: Array | None
     output: Array
     embedding: Array
 
@@ -81,12 +82,15 @@ def weights(config, params) -> Weights:
             mine[f"{block}/out"] = _out_in(layer[block]["out"]["kernel"], in_dims=2)
         for name, dense in layer["mlp"].items():
             mine[f"mlp/{name}"] = _out_in(dense["kernel"], in_dims=1)
+        if config.relative_bias_per_layer:
+            mine["relpos"] = layer["relpos_bias"]["rel_embedding"]
         per_layer.append(mine)
     tied = config.logits_via_embedding
+    shared = None if config.relative_bias_per_layer else decoder["relpos_bias"]["rel_embedding"]
     return Weights(
         layers=tuple(per_layer),
         final_norm=decoder["decoder_norm"]["scale"],
-        relpos=decoder["relpos_bias"]["rel_embedding"],
+        relpos=shared,
         output=layers.from_bits(table) if tied else decoder["logits_dense"]["kernel"].T,
         embedding=table,
     )
@@ -113,13 +117,15 @@ def step(config, w: Weights, cache, encoder_tokens: Array, token: Array, positio
     with jax.named_scope("token_embedder"):
         y = transposed(layers.embedded(w.embedding, token).astype(dtype))  # [embed, rows]
     max_length = cache["decoder"]["max_length"].shape[0]
-    biases = {
-        _SELF: _self_bias(config, w.relpos, position, max_length),
-        _CROSS: layers.bias_from_mask((encoder_tokens > 0)[:, None, None, :]),
-    }
+    self_bias = lambda table: _self_bias(config, table, position, max_length)  # noqa: E731
+    biases = {_CROSS: layers.bias_from_mask((encoder_tokens > 0)[:, None, None, :])}
+    if w.relpos is not None:  # one table for every layer: its bias made once
+        biases[_SELF] = self_bias(w.relpos)
     caches = dict(cache["decoder"])
     for i, weights_i in enumerate(w.layers):
         with jax.named_scope(f"layers_{i}"):
+            if w.relpos is None:
+                biases = {**biases, _SELF: self_bias(weights_i["relpos"])}
             y, caches[f"layers_{i}"] = _layer(
                 config, weights_i, caches[f"layers_{i}"], y, biases, position
             )
@@ -205,7 +211,7 @@ def _norm(x: Array, scale: Array, dtype) -> Array:
 def _self_bias(config, table: Array, position: Array, max_length: int) -> Array:
     """Each row's self-attention bias over the cache ([rows, heads, 1, max_length]): the
     relative position bias from its own position plus the mask of positions it has not
-    written (network._one_step_self_bias, read as a gather of the bias table)."""
+    written (network._one_step_self_attention, read as a gather of the bias table)."""
     keys = jnp.arange(max_length)
     buckets = layers.relative_position_bucket(
         keys[None, :] - position[:, None],

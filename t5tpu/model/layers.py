@@ -207,7 +207,8 @@ def relative_position_bucket(
 
 
 class RelativePositionBias(nn.Module):
-    """Per-head bias added to attention logits, computed once per stack and shared by its layers."""
+    """Per-head bias added to attention logits: one per stack, computed once and shared by its
+    layers (T5, mT5), or one in every layer (umT5: T5Config.relative_bias_per_layer)."""
 
     num_heads: int
     bidirectional: bool
@@ -217,7 +218,8 @@ class RelativePositionBias(nn.Module):
 
     @nn.compact
     def __call__(self, query_positions: Array, key_positions: Array) -> Array:
-        """Returns a float32 bias of shape [1, heads, len(query_positions), len(key_positions)]."""
+        """A float32 bias [1, heads, q, k] for query positions [q], or [rows, heads, q, k] for
+        [rows, q] (decoding rows that stand at different positions), over key positions [k]."""
         rel_embedding = param_with_axes(
             self,
             "rel_embedding",
@@ -225,14 +227,18 @@ class RelativePositionBias(nn.Module):
             (self.num_heads, self.num_buckets),
             ("heads", "relpos_buckets"),
         )
-        relative = key_positions[None, :] - query_positions[:, None]
+        queries = query_positions.reshape(-1)  # the rows' queries one after another
+        relative = key_positions[None, :] - queries[:, None]
         buckets = relative_position_bucket(
             relative, self.bidirectional, self.num_buckets, self.max_distance
         )
         # A one-hot contraction instead of a gather: it partitions cleanly along heads.
         one_hot = jax.nn.one_hot(buckets, self.num_buckets, dtype=self.dtype)
         bias = precision.einsum("hb,qkb->hqk", rel_embedding, one_hot, self.dtype, jnp.float32)
-        return bias[None]
+        if query_positions.ndim == 1:
+            return bias[None]
+        rows, length = query_positions.shape
+        return jnp.swapaxes(bias.reshape(self.num_heads, rows, length, -1), 0, 1)
 
 
 CACHE_AXES = ("batch", "heads", "length", "kv")

@@ -15,6 +15,7 @@ and wo.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import flax.linen as nn
@@ -213,6 +214,34 @@ def base_as_trained(params, dtype: str):
         return jax.lax.reduce_precision(x, exponent_bits=info.nexp, mantissa_bits=info.nmant)
 
     return jax.tree_util.tree_map_with_path(rounded, params)
+
+
+def served_tree(params, rounded) -> dict:
+    """An adapted tree as the engine of several adapters holds it: the parameters, and a flag
+    (a replicated bool array, so one program runs every adapter) for `served_view` to round
+    the base by."""
+    return {"params": params, "rounded": rounded}
+
+
+def served_view(base_dtype: str | None):
+    """The engine's param_view of `served_tree`s: the base as the adapter's run trained on it
+    (base_as_trained in `base_dtype`) where the flag says so, as it is where not (the base
+    alone); with no `base_dtype`, every tree as it is. Here, not in serve/, so the engine's
+    programs call down into model/ and never back up."""
+    if base_dtype is None:
+        return _params_of
+    return functools.partial(_rounded_where_flagged, base_dtype=base_dtype)
+
+
+def _params_of(tree):
+    return tree["params"]
+
+
+def _rounded_where_flagged(tree, *, base_dtype: str):
+    trained = base_as_trained(tree["params"], base_dtype)
+    return jax.tree_util.tree_map(
+        lambda low, x: jnp.where(tree["rounded"], low, x), trained, tree["params"]
+    )
 
 
 def _target(path: tuple[str, ...]) -> tuple[str, int] | None:

@@ -54,6 +54,9 @@ class T5Config:
     dtype: str = "float32"
     relative_attention_num_buckets: int = 32
     relative_attention_max_distance: int = 128
+    # False: one relative position bias per stack, shared by its layers (T5, mT5); True: one in
+    # every layer (umT5, and T5X's scalable_t5), as encoder/layers_N/relpos_bias/rel_embedding.
+    relative_bias_per_layer: bool = False
     # Activation checkpointing of each layer: 'none', 'full' (save nothing) or 'dots' (save
     # matmul outputs without batch dims).
     remat_policy: str = "none"
@@ -148,6 +151,33 @@ def _attention_mask(
     return mask[:, None]
 
 
+def _relpos(cfg: T5Config, bidirectional: bool) -> layers.RelativePositionBias:
+    return layers.RelativePositionBias(
+        cfg.num_heads,
+        bidirectional,
+        cfg.relative_attention_num_buckets,
+        cfg.relative_attention_max_distance,
+        cfg.activation_dtype,
+        name="relpos_bias",
+    )
+
+
+def _stack_position_bias(cfg: T5Config, bidirectional: bool, positions: tuple[Array, Array]):
+    """What a stack hands its layers for the position bias, given (query positions, key
+    positions): the stack's own bias, computed once; with relative_bias_per_layer the positions
+    themselves, at which each layer reads its own table (_layer_position_bias)."""
+    if cfg.relative_bias_per_layer:
+        return positions
+    return _relpos(cfg, bidirectional)(*positions)
+
+
+def _layer_position_bias(cfg: T5Config, bidirectional: bool, given) -> Array:
+    """A layer's position bias from what its stack handed it (_stack_position_bias)."""
+    if not cfg.relative_bias_per_layer:
+        return given
+    return _relpos(cfg, bidirectional)(*given)
+
+
 def _layer_bias(position_bias: Array, mask_bias: Array) -> Array:
     """A layer's attention bias. The stack passes the position bias ([1, heads, q, k], trained)
     and the mask bias ([batch, 1, q, k]) apart and each layer adds them: a sum made once per
@@ -191,10 +221,12 @@ class EncoderLayer(nn.Module):
         cfg = self.config
         dtype = cfg.activation_dtype
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+        position_bias, mask_bias = attention_bias
+        position_bias = _layer_position_bias(cfg, True, position_bias)
         h = layers.RMSNorm(dtype=dtype, name="pre_attention_layer_norm")(x)
         h = layers.MultiHeadAttention(
             cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, cfg.lora, name="attention"
-        )(h, h, _layer_bias(*attention_bias), deterministic)
+        )(h, h, _layer_bias(position_bias, mask_bias), deterministic)
         x = x + dropout(h, deterministic)
         h = layers.RMSNorm(dtype=dtype, name="pre_mlp_layer_norm")(x)
         h = _mlp(cfg)(h, deterministic)
@@ -219,9 +251,11 @@ class DecoderLayer(nn.Module):
                 cfg.num_heads, cfg.head_dim, cfg.dropout_rate, dtype, cfg.lora, name=name
             )
 
+        position_bias, mask_bias = self_bias
+        position_bias = _layer_position_bias(cfg, False, position_bias)
         h = layers.RMSNorm(dtype=dtype, name="pre_self_attention_layer_norm")(y)
         h = attention("self_attention")(
-            h, h, _layer_bias(*self_bias), deterministic, decode, decode_position
+            h, h, _layer_bias(position_bias, mask_bias), deterministic, decode, decode_position
         )
         y = y + dropout(h, deterministic)
         h = layers.RMSNorm(dtype=dtype, name="pre_cross_attention_layer_norm")(y)
@@ -247,15 +281,8 @@ class Encoder(nn.Module):
         mask = _attention_mask(ok, ok, query_segments=segment_ids, key_segments=segment_ids)
         length = tokens.shape[1]
         positions = jnp.arange(length)
-        relpos = layers.RelativePositionBias(
-            cfg.num_heads,
-            True,
-            cfg.relative_attention_num_buckets,
-            cfg.relative_attention_max_distance,
-            cfg.activation_dtype,
-            name="relpos_bias",
-        )(positions, positions)
-        bias = (relpos, layers.bias_from_mask(mask))
+        position_bias = _stack_position_bias(cfg, True, (positions, positions))
+        bias = (position_bias, layers.bias_from_mask(mask))
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         x = dropout(self.shared_embedding(tokens), deterministic)
         x = layers.constrain(x, ("batch", "length", "embed"))
@@ -285,17 +312,9 @@ class Decoder(nn.Module):
         `decode_position`; the first call with decode=True only creates the cache."""
         cfg = self.config
         length = decoder_input_tokens.shape[1]
-        relpos = layers.RelativePositionBias(
-            cfg.num_heads,
-            False,
-            cfg.relative_attention_num_buckets,
-            cfg.relative_attention_max_distance,
-            cfg.activation_dtype,
-            name="relpos_bias",
-        )
         if decode and self.has_variable("cache", "max_length"):
             max_length = self.get_variable("cache", "max_length").shape[0]
-            self_bias = _one_step_self_bias(relpos, decode_position, max_length)
+            positions, self_mask = _one_step_self_attention(decode_position, max_length)
             decoder_ok = jnp.ones_like(decoder_input_tokens, jnp.bool_)
         else:
             if decode:  # cache creation: remember the length the cache was made for
@@ -307,7 +326,8 @@ class Decoder(nn.Module):
                 if decoder_segment_ids is not None
                 else (jnp.ones_like(decoder_input_tokens, jnp.bool_))
             )
-            self_bias = _causal_self_bias(relpos, decoder_ok, decoder_segment_ids)
+            positions, self_mask = _causal_self_attention(decoder_ok, decoder_segment_ids)
+        self_bias = (_stack_position_bias(cfg, False, positions), self_mask)
         cross_mask = _attention_mask(
             decoder_ok,
             encoder_ok,
@@ -330,27 +350,26 @@ class Decoder(nn.Module):
         return logits.astype(jnp.float32)
 
 
-def _one_step_self_bias(relpos: nn.Module, decode_position, max_length: int):
-    """Decoding one token: the query at `decode_position` sees every cached position up to it.
-    A [batch] of positions gives each row its own (rows that joined the batch at other steps)."""
+def _one_step_self_attention(decode_position, max_length: int):
+    """Decoding one token: ((query positions, key positions), mask bias), the query at
+    `decode_position` seeing every cached position up to it. A [batch] of positions gives each
+    row its own (rows that joined the batch at other steps): query positions [batch, 1]."""
     key_positions = jnp.arange(max_length)
     if jnp.ndim(decode_position) == 0:
-        position_bias = relpos(decode_position[None], key_positions)
         visible = (key_positions <= decode_position)[None, None, None, :]
-        return position_bias, layers.bias_from_mask(visible)
-    # The rows' positions as the bias's query axis, then moved to the batch axis.
-    position_bias = jnp.swapaxes(relpos(decode_position, key_positions), 0, 2)
+        return (decode_position[None], key_positions), layers.bias_from_mask(visible)
     visible = (key_positions[None, :] <= decode_position[:, None])[:, None, None, :]
-    return position_bias, layers.bias_from_mask(visible)
+    return (decode_position[:, None], key_positions), layers.bias_from_mask(visible)
 
 
-def _causal_self_bias(relpos: nn.Module, decoder_ok, segment_ids):
-    """The whole target at once: each position sees itself and the ones before, in its segment."""
+def _causal_self_attention(decoder_ok, segment_ids):
+    """The whole target at once: ((query positions, key positions), mask bias), each position
+    seeing itself and the ones before, in its segment."""
     positions = jnp.arange(decoder_ok.shape[1])
     mask = _attention_mask(
         decoder_ok, decoder_ok, causal=True, query_segments=segment_ids, key_segments=segment_ids
     )
-    return relpos(positions, positions), layers.bias_from_mask(mask)
+    return (positions, positions), layers.bias_from_mask(mask)
 
 
 def _output_logits(cfg: T5Config, shared_embedding: nn.Module, y):

@@ -24,7 +24,7 @@ from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.partitioning import Partitioner, Topology
 from t5tpu.planning.memory_plan import Workload
-from t5tpu.training import frozen_base, trainer
+from t5tpu.training import lora_base, trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,15 +140,14 @@ def train_step_memory(
 ) -> CompiledMemory:
     """Compiles the train step `t5tpu train` would run (same shardings, donation, microbatches
     and batch features) for the partitioner's devices and reads XLA's memory analysis."""
-    lengths = (work.input_length, work.target_length)
     if model.config.lora is not None:  # a LoRA run: the frozen base is one more argument
-        shapes = frozen_base.state_shardings(model, optimizer, partitioner, *lengths)
+        shapes = lora_base.state_shardings(model, optimizer, partitioner)
         abstract = (shapes.abstract, shapes.base)
-        step = frozen_base.compile_train_step(
+        step = lora_base.compile_train_step(
             model, optimizer, shapes, partitioner, work.num_microbatches
         )
     else:
-        state, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+        state, shardings = trainer.state_shardings(model, optimizer, partitioner)
         abstract = (state,)
         step = trainer.compile_train_step(
             model, optimizer, shardings, partitioner, work.num_microbatches

@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import availability
-from t5tpu.model import decoding
+from t5tpu.model import decoding, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import results_dir, run_lengths, train
@@ -28,7 +28,6 @@ from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.tasks import registry
-from t5tpu.training import trainer
 
 CONTINUOUS = "continuous"
 
@@ -173,7 +172,7 @@ def evaluate(
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
-    params_shape, shardings = trainer.abstract_params(model, partitioner, 8, 8)  # any lengths
+    params_shape, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     continuous = checkpoint_step == CONTINUOUS
     if continuous:
         steps = _steps_as_they_appear(model_dir, output_dir, split, poll_seconds, wait_seconds)

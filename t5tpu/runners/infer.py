@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
-from t5tpu.model import decoding, engine
+from t5tpu.model import decoding, engine, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import (
@@ -42,7 +42,7 @@ from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.run_record import InputShaping, RunRecord
 from t5tpu.tasks import shaping
-from t5tpu.training import preemption, trainer
+from t5tpu.training import preemption
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +139,7 @@ class _Checkpoints:
 
         steps = checkpoints.steps_to_restore(model_dir, checkpoint_step)
         # Any lengths: parameters do not depend on them (relative positions).
-        params_shape, shardings = trainer.abstract_params(model, partitioner, 8, 8)
+        params_shape, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
         for step in steps:
             loader.in_model_dir(model_dir, step).check_geometry(params_shape)
         record = loader.in_model_dir(model_dir, max(steps)).run_record()

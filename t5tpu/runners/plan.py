@@ -28,7 +28,7 @@ from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
 from t5tpu.partitioning import GiB, Partitioner
 from t5tpu.planning import compiled_memory, knobs, lora_plan, memory_plan, placements, roofline
-from t5tpu.runners import adapted_run
+from t5tpu.runners import lora_run
 
 
 def _train_binding(name: str):
@@ -327,7 +327,7 @@ def plan(
 
 def _plan_training(optimizer, partitioner, work, num_devices) -> memory_plan.MemoryPlan:
     """The plan of a full fine-tuning run, or of a LoRA run (train.method)."""
-    settings = adapted_run.settings_of(_train_binding("method"))
+    settings = lora_run.settings_of(_train_binding("method"))
     if settings is None:
         return memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
     return lora_plan.plan_lora_training(

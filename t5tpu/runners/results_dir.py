@@ -17,8 +17,8 @@ from etils import epath
 
 from t5tpu.config import gin_setup
 from t5tpu.errors import UserError
+from t5tpu.storage import locations, remote
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage import remote
 
 _PROBE = ".t5tpu-write-check"
 
@@ -32,7 +32,8 @@ def checked_output_dir(model_dir: str, output_dir: str | None, setting: str) -> 
     remote.check_storage(model_dir, "MODEL_DIR")
     remote.check_storage(output_dir, setting)
     probe_dir = epath.Path(folder)
-    if "://" not in folder:  # a bucket has no folders to create: an object can go anywhere
+    # A bucket has no folders to create: an object can go anywhere.
+    if not locations.is_remote(folder):
         while not probe_dir.exists() and probe_dir.parent != probe_dir:
             probe_dir = probe_dir.parent
     # A name of this process's own: the processes of a multi-host run check one folder at once.

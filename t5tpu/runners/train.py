@@ -31,7 +31,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -45,10 +45,10 @@ from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import adapted_run
+from t5tpu.runners import lora_run
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints, remote
+from t5tpu.storage import checkpoints, locations, remote
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.storage.writer_lock import WriterLock
@@ -94,11 +94,40 @@ class StartPoint:
     last_step: int
 
 
+class StepSetup(Protocol):
+    """What a train step is made of and where its state lives, the one interface of both kinds
+    of run: FullStepSetup (every weight trained) and lora_run.LoraStepSetup (adapters on a
+    frozen base). The run reads nothing else of a setup."""
+
+    partitioner: Partitioner  # whose mesh the state lives on
+    abstract: trainer.TrainState  # the trained state's shapes
+    shardings: trainer.TrainState  # and their shardings
+
+    @property
+    def eval_model(self) -> EncoderDecoderModel:
+        """The plain model evaluation decodes with, on `eval_params(state.params)`."""
+
+    @property
+    def eval_shardings(self):
+        """The shardings of `eval_params`' parameters."""
+
+    def eval_params(self, params):
+        """The plain parameters to evaluate from the trained ones."""
+
+    def compiled_step(self) -> Callable:
+        """The jitted step: (state, batch, dropout_seed) -> (state, metrics)."""
+
+    def fresh_state(self, *, seed: int, start: StartPoint) -> trainer.TrainState:
+        """The state of a run that does not resume, at the start point's step."""
+
+    def checkpoint_metadata(self) -> dict:
+        """What every checkpoint records of the setup besides the state."""
+
+
 @dataclasses.dataclass(frozen=True)
-class StepSetup:
-    """What a train step is made of (model, optimizer, sequence lengths, microbatches) and
-    where its state lives: the partitioner's mesh, with the state's abstract shapes and
-    shardings (both trainer.TrainState trees)."""
+class FullStepSetup:
+    """StepSetup of a full fine-tuning (or a training from scratch): the model, its optimizer,
+    sequence lengths and microbatches, on the partitioner's mesh."""
 
     model: EncoderDecoderModel
     optimizer: object
@@ -109,8 +138,8 @@ class StepSetup:
     shardings: trainer.TrainState
 
     @classmethod
-    def build(cls, *, model, optimizer, partitioner, lengths, num_microbatches) -> StepSetup:
-        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner, *lengths)
+    def build(cls, *, model, optimizer, partitioner, lengths, num_microbatches) -> FullStepSetup:
+        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner)
         return cls(model, optimizer, partitioner, lengths, num_microbatches, abstract, shardings)
 
     def compiled_step(self):
@@ -118,8 +147,8 @@ class StepSetup:
             self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
         )
 
-    # What evaluation and checkpoints take from the setup; a LoRA run's (adapted_run.py)
-    # merges its adapters into the base and names the base in every checkpoint.
+    # A LoRA run's (lora_run.py) merges its adapters into the base for evaluation and names
+    # the base in every checkpoint.
     @property
     def eval_model(self) -> EncoderDecoderModel:
         return self.model
@@ -133,6 +162,24 @@ class StepSetup:
 
     def checkpoint_metadata(self) -> dict:
         return {}
+
+    def fresh_state(self, *, seed: int, start: StartPoint) -> trainer.TrainState:
+        """Random, or with INITIAL_CHECKPOINT_PATH's parameters."""
+        params = None
+        initial = start.initial_checkpoint
+        if initial:
+            # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
+            params = initial.load(self.abstract.params, self.shardings.params)
+            print(
+                f"initialized parameters from {initial.path} (step {start.input_start_step})",
+                flush=True,
+            )
+
+        def init(rng, params):
+            state = trainer.initial_state(self.model, self.optimizer, rng, *self.lengths, params)
+            return state.replace(step=jnp.int32(start.input_start_step))
+
+        return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed), params)
 
 
 def _create_dir(model_dir: str) -> bool:
@@ -176,7 +223,7 @@ def _sole_writer(model_dir: str):
     finally:
         if lock:
             lock.release()
-        if created and "://" not in model_dir and not os.listdir(model_dir):
+        if created and not locations.is_remote(model_dir) and not os.listdir(model_dir):
             os.rmdir(model_dir)
 
 
@@ -251,32 +298,11 @@ def _resumed_state(*, setup: StepSetup, mngr, step: int) -> trainer.TrainState:
     return copy(state)
 
 
-def _fresh_state(*, setup: StepSetup, seed: int, start: StartPoint) -> trainer.TrainState:
-    """A new state at the start point's step: random, or with pretrained parameters."""
-    params = None
-    initial = start.initial_checkpoint
-    if initial:
-        # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
-        params = initial.load(setup.abstract.params, setup.shardings.params)
-        print(
-            f"initialized parameters from {initial.path} (step {start.input_start_step})",
-            flush=True,
-        )
-
-    def init(rng, params):
-        state = trainer.initial_state(setup.model, setup.optimizer, rng, *setup.lengths, params)
-        return state.replace(step=jnp.int32(start.input_start_step))
-
-    return jax.jit(init, out_shardings=setup.shardings)(jax.random.PRNGKey(seed), params)
-
-
 def _start_state(*, setup: StepSetup, mngr, seed: int, start: StartPoint) -> trainer.TrainState:
     """The state to start from, placed on the mesh (see the module docstring for the order)."""
     if start.resume:
         return _resumed_state(setup=setup, mngr=mngr, step=start.resume.step)
-    if isinstance(setup, adapted_run.AdaptedStepSetup):
-        return setup.fresh_state(seed=seed, step=start.input_start_step)
-    return _fresh_state(setup=setup, seed=seed, start=start)
+    return setup.fresh_state(seed=seed, start=start)
 
 
 def _warn_unused_rows(model: EncoderDecoderModel, start: StartPoint) -> None:
@@ -297,13 +323,13 @@ def _warn_unused_rows(model: EncoderDecoderModel, start: StartPoint) -> None:
     )
 
 
-def _step_setup(*, settings, mngr, start: StartPoint, **parts):
-    """StepSetup of a full fine-tuning run, or adapted_run's of a LoRA run (`settings`)."""
+def _step_setup(*, settings, mngr, start: StartPoint, **parts) -> StepSetup:
+    """The StepSetup of a full fine-tuning run, or of a LoRA run (`settings`)."""
     _warn_unused_rows(parts["model"], start)
-    adapted_run.check_resumable(mngr, start.resume, settings)
+    lora_run.check_resumable(mngr, start.resume, settings)
     if settings is None:
-        return StepSetup.build(**parts)
-    return adapted_run.AdaptedStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
+        return FullStepSetup.build(**parts)
+    return lora_run.LoraStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
 
 
 def _evaluator(
@@ -481,8 +507,8 @@ def train(
     method=None,
 ) -> trainer.TrainState:
     """Trains until step TRAIN_STEPS (see the module docstring); `method`: 'full' (None), or
-    'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/adapted_run.py)."""
-    settings = adapted_run.settings_of(method)
+    'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/lora_run.py)."""
+    settings = lora_run.settings_of(method)
     evals = EvalSettings(eval_split, eval_batch_size or batch_size, eval_num_examples)
     partitioner = _checked_partitioner(partitioner, batch_size, evals.batch_size, num_microbatches)
     checkpoints.check_save_dtype(checkpoint_dtype)

@@ -10,7 +10,7 @@ else the run's, else t5tpu.load's defaults; each decoding default from infer's b
 TEMPERATURE, ..., infer.beam_alpha) where the gin files make them, else the run's; inputs
 are shaped as the run's task shaped its training inputs; what to do with long inputs comes from
 INFER_TRUNCATION. LoRA adapters (--adapter) are opened and checked against the model here too
-(serve/adapters.py), so a wrong one is refused before the server listens.
+(serve/lora_adapters.py), so a wrong one is refused before the server listens.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
 from t5tpu.model import decoding
 from t5tpu.runners import run_lengths
-from t5tpu.serve import adapters as lora_adapters
+from t5tpu.serve import lora_adapters
 from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
 from t5tpu.serve.payloads import Decoding
+from t5tpu.storage import locations
 from t5tpu.storage.run_record import RunRecord
 
 STORAGE_URI = "AIP_STORAGE_URI"
@@ -76,7 +77,7 @@ def _path(model: str | None, model_dir, environ: dict) -> str:
             "no model to serve: pass --model=PATH, or --gin_file=... with "
             "--gin.MODEL_DIR=\"'/path/to/run'\" (Vertex AI sets AIP_STORAGE_URI)"
         )
-    if "://" not in path and not os.path.exists(path):
+    if not locations.is_remote(path) and not os.path.exists(path):
         raise UserError(f"the model {path} does not exist; check --model or MODEL_DIR")
     return str(path)
 
@@ -133,9 +134,9 @@ def model_setup(
     validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
     _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
     if opened:
-        from t5tpu.api import loading
+        from t5tpu.formats import loader
 
-        lora_adapters.check_base(opened, loading.checkpoint_path(setup.path, setup.step))
+        lora_adapters.check_base(opened, loader.checkpoint_path(setup.path, setup.step))
     return setup
 
 

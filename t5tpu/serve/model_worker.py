@@ -13,9 +13,9 @@ them once its own rows are done. Sampling draws each row from its own key, `fold
 PRNGKey(seed), index of the row in its request)`, the key `t5tpu infer` gives the input at that
 index: a request decodes as `t5tpu infer` of its instances does, whichever requests shared its
 batch. Every setting but beam search's width is a value of the warmed programs; a new width's
-programs compile in a thread beside the model's (`ready`), and are kept with a bounded number
-of others by last use. With LoRA adapters, every group runs on the adapters' engine (adapters.py),
-set to its adapter's parameters first (the base's: adapters of zeros).
+programs compile in a thread beside the model's (`ready`), kept with a bounded number of
+others by last use. With LoRA adapters, every group runs on the adapters' engine
+(lora_adapters.py), set to its adapter's parameters first (the base's: adapters of zeros).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from t5tpu.api import streaming
 from t5tpu.api.model import T5Model
 from t5tpu.model import decoding
 from t5tpu.model.engine import Encoded, Engine, Request, Row
-from t5tpu.serve.adapters import ServedAdapters
 from t5tpu.serve.batcher import GroupFeed
+from t5tpu.serve.lora_adapters import ServedAdapters
 from t5tpu.serve.payloads import Decoding
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.tasks import shaping

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from etils import epath
 
 from t5tpu.errors import EnvironmentFault, UserError, environment_fault
+from t5tpu.storage import locations
 
 _NOT_WRITABLE = frozenset({errno.EROFS, errno.EACCES, errno.EPERM})
 # Replacing a folder that holds files (a rename onto it, an unlink of it) says ENOTEMPTY.
@@ -55,7 +56,7 @@ def _os_error_code(error: BaseException) -> int | None:
 
 def _file_in_the_way(path: str) -> str:
     """The nearest existing ancestor of `path` (or `path` itself) that is not a folder."""
-    if "://" in path:
+    if locations.is_remote(path):
         return path
     candidate = os.path.abspath(path)
     while candidate != os.path.dirname(candidate):
@@ -110,7 +111,7 @@ def check_room(folder: str, setting: str) -> None:
     """Makes `folder` (local) and writes and removes a block-sized file there, raising
     write_error's error: for a library whose writer, when it fails itself, logs lines of its
     own besides raising (TensorFlow's event files). A bucket is not checked."""
-    if "://" in folder:
+    if locations.is_remote(folder):
         return
     probe = os.path.join(folder, f".t5tpu-room-check-{os.getpid()}")
     with write_faults(folder, setting):
@@ -144,7 +145,7 @@ def atomic_file(path, *, setting: str, mode: str = "w") -> Iterator:
     target = epath.Path(path)
     tmp = _temporary(target)
     with write_faults(str(path), setting):
-        if "://" not in str(path):  # a bucket has no folders to make
+        if not locations.is_remote(path):  # a bucket has no folders to make
             target.parent.mkdir(parents=True, exist_ok=True)
         try:
             with tmp.open(mode) as f:

@@ -27,6 +27,7 @@ from etils import epath
 
 from t5tpu import validators
 from t5tpu.errors import UserError
+from t5tpu.storage import locations
 from t5tpu.storage import model_dir as paths
 
 # orbax's names inside a checkpoint and its items.
@@ -91,7 +92,7 @@ def _step_metadata_reason(step_dir: epath.Path) -> str | None:
 
 def _kvstore_url(item_dir: epath.Path) -> str:
     text = str(item_dir).rstrip("/") + "/"
-    return text if "://" in text else f"file://{text}"
+    return text if locations.is_remote(text) else f"file://{text}"
 
 
 def _data_reason(store: ts.KvStore, keys: list[bytes], item: str) -> str | None:

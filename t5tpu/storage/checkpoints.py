@@ -31,7 +31,7 @@ from jax.experimental import multihost_utils
 
 from t5tpu.errors import UserError
 from t5tpu.model import layer_stacking
-from t5tpu.storage import checkpoint_damage, save_guards
+from t5tpu.storage import checkpoint_damage, locations, save_guards
 from t5tpu.storage import model_dir as paths
 
 ITEMS = ("params", "opt_state")
@@ -56,7 +56,7 @@ def manager(
         # Leftovers of a save that was killed; orbax never lists them, this deletes them. Not on
         # gs://: there orbax takes every folder without its commit marker for one (train/,
         # eval/, inference/ too) and deletes it.
-        cleanup_tmp_directories=not read_only and "://" not in model_dir,
+        cleanup_tmp_directories=not read_only and not locations.is_remote(model_dir),
     )
     handlers = {name: ocp.StandardCheckpointHandler() for name in ITEMS}
     return ocp.CheckpointManager(epath.Path(model_dir), options=options, item_handlers=handlers)

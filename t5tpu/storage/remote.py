@@ -18,6 +18,7 @@ from etils import epath
 
 from t5tpu.errors import UserError, one_line_message
 from t5tpu.runtime import lazy_imports
+from t5tpu.storage.locations import bucket_of, is_remote
 
 
 def answer_seconds() -> float:
@@ -37,15 +38,6 @@ T = TypeVar("T")
 # Answers about the file itself, passed on as they are for the caller to word; any other error
 # (aiohttp's connection errors are OSErrors too) means the storage could not be reached.
 _THE_FILES_OWN = (UserError, FileNotFoundError, IsADirectoryError, NotADirectoryError)
-
-
-def is_remote(path: str | None) -> bool:
-    return bool(path) and "://" in str(path) and not str(path).startswith("file://")
-
-
-def bucket_of(path: str) -> str:
-    scheme, rest = str(path).split("://", 1)
-    return f"{scheme}://{rest.split('/', 1)[0]}"
 
 
 def _epath_uses_tensorflow() -> bool:

@@ -22,7 +22,7 @@ import weakref
 from clu import metric_writers
 from etils import epath
 
-from t5tpu.storage import atomic_files
+from t5tpu.storage import atomic_files, locations
 
 # Upload period of a remote writer between flushes: every log period (10 steps by default,
 # seconds on a TPU) would add a storage round trip to the train loop each time.
@@ -37,7 +37,7 @@ def writer(
     if not just_logging:  # Python's error first: TensorFlow's C++ writer logs its own lines
         atomic_files.check_room(logdir, setting)
     with atomic_files.write_faults(logdir, setting):  # the event file is made at once
-        if just_logging or "://" not in logdir:
+        if just_logging or not locations.is_remote(logdir):
             made = metric_writers.create_default_writer(logdir, just_logging=just_logging)
         else:
             made = _MirroredWriter(epath.Path(logdir))

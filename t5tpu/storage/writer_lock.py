@@ -27,7 +27,7 @@ import time
 from etils import epath
 
 from t5tpu.errors import UserError
-from t5tpu.storage import atomic_files
+from t5tpu.storage import atomic_files, locations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,7 +99,7 @@ class WriterLock:
     def _try_create(self) -> bool:
         text = json.dumps(dataclasses.asdict(self.holder))
         try:
-            if str(self.path).startswith("gs://"):
+            if locations.is_remote(self.path):
                 if self.path.exists():
                     return False
                 self.path.write_text(text)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from t5tpu.model import param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel, loss_weights
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import optim
@@ -127,24 +128,11 @@ def initial_state(
     return TrainState(jnp.int32(0), params, optimizer.init(params))
 
 
-def abstract_params(
-    model: EncoderDecoderModel, partitioner: Partitioner, input_length: int, target_length: int
-):
-    """(parameter shapes, their shardings by the logical axis rules), without allocating."""
-    boxed = boxed_abstract_params(model, input_length, target_length)
-    return nn.unbox(boxed), partitioner.param_shardings(boxed)
-
-
-def boxed_abstract_params(model: EncoderDecoderModel, input_length: int, target_length: int):
-    """Parameter shapes still carrying their logical axis names."""
-    return jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), input_length, target_length))
-
-
-def state_shardings(model, optimizer, partitioner: Partitioner, input_length, target_length):
+def state_shardings(model: EncoderDecoderModel, optimizer, partitioner: Partitioner):
     """(abstract state, its shardings): parameters by the logical rules, optimizer state leaf by
     leaf like the parameter it belongs to (Adafactor's factored moments keep the sharding of the
     dimensions they keep; AdamW's moments are sharded exactly like their parameters)."""
-    boxed = boxed_abstract_params(model, input_length, target_length)
+    boxed = param_shapes.boxed_abstract_params(model.config)
     params = nn.unbox(boxed)
     abstract = jax.eval_shape(lambda p: TrainState(jnp.int32(0), p, optimizer.init(p)), params)
     shardings = TrainState(

@@ -16,14 +16,14 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.errors import UserError
-from t5tpu.model import encoder_decoder, lora
+from t5tpu.model import encoder_decoder, lora, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.storage import adapted_checkpoints, checkpoints
+from t5tpu.storage import checkpoints, lora_checkpoints
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.adapted_checkpoints import AdapterRecord
-from t5tpu.storage.base_fingerprint import BaseReference
-from t5tpu.training import frozen_base, trainer
+from t5tpu.storage.lora_base_fingerprint import BaseReference
+from t5tpu.storage.lora_checkpoints import AdapterRecord
+from t5tpu.training import lora_base, trainer
 
 METHODS = ("full", "lora")
 
@@ -44,7 +44,7 @@ def check_resumable(mngr, resume: checkpoints.ResumePoint | None, settings) -> N
     """Refuses to continue a run with another method, or with other LoRA settings."""
     if resume is None:
         return
-    record = adapted_checkpoints.record_of(mngr, resume.step)
+    record = lora_checkpoints.record_of(mngr, resume.step)
     where = paths.checkpoint_dir(str(mngr.directory), resume.step)
     if record is None and settings is not None:
         raise UserError(
@@ -62,7 +62,7 @@ def check_resumable(mngr, resume: checkpoints.ResumePoint | None, settings) -> N
 
 def _base_reference(mngr, start) -> BaseReference:
     if start.resume:
-        record = adapted_checkpoints.record_of(mngr, start.resume.step)
+        record = lora_checkpoints.record_of(mngr, start.resume.step)
         record.base.check(paths.checkpoint_dir(str(mngr.directory), start.resume.step))
         return record.base
     if not start.initial_checkpoint:
@@ -74,8 +74,8 @@ def _base_reference(mngr, start) -> BaseReference:
 
 
 @dataclasses.dataclass(frozen=True)
-class AdaptedStepSetup:
-    """runners/train.py's StepSetup for a LoRA run: the step trains the adapters (`abstract`
+class LoraStepSetup:
+    """runners/train.py's StepSetup of a LoRA run: the step trains the adapters (`abstract`
     and `shardings` are their train state's) on `base`, which is loaded once."""
 
     model: EncoderDecoderModel  # the adapted one: its loss runs base and adapters
@@ -86,7 +86,7 @@ class AdaptedStepSetup:
     num_microbatches: int
     abstract: trainer.TrainState
     shardings: trainer.TrainState
-    shapes: frozen_base.FrozenBaseShapes
+    shapes: lora_base.LoraBaseShapes
     eval_shardings: object
     record: AdapterRecord
     base: object
@@ -94,11 +94,11 @@ class AdaptedStepSetup:
     @classmethod
     def build(
         cls, *, model, optimizer, partitioner, lengths, num_microbatches, settings, mngr, start
-    ) -> AdaptedStepSetup:
+    ) -> LoraStepSetup:
         reference = _base_reference(mngr, start)
         adapted = encoder_decoder.adapted_model(model, settings)
-        shapes = frozen_base.state_shardings(adapted, optimizer, partitioner, *lengths)
-        abstract, eval_shardings = trainer.abstract_params(model, partitioner, *lengths)
+        shapes = lora_base.state_shardings(adapted, optimizer, partitioner)
+        abstract, eval_shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
         from t5tpu.formats import loader  # as runners/train.py: TensorFlow on first use
 
         if start.resume:
@@ -131,7 +131,7 @@ class AdaptedStepSetup:
         )
 
     def compiled_step(self):
-        step = frozen_base.compile_train_step(
+        step = lora_base.compile_train_step(
             self.model, self.optimizer, self.shapes, self.partitioner, self.num_microbatches
         )
         return lambda state, batch, dropout_seed: step(state, self.base, batch, dropout_seed)
@@ -148,9 +148,11 @@ class AdaptedStepSetup:
         merge = lambda base, adapters: lora.merge(base, adapters, self.record.settings)
         return jax.jit(merge, out_shardings=self.eval_shardings)
 
-    def fresh_state(self, *, seed: int, step: int) -> trainer.TrainState:
+    def fresh_state(self, *, seed: int, start) -> trainer.TrainState:
+        """Fresh adapters at the start point's step (the base is INITIAL_CHECKPOINT_PATH)."""
+
         def init(rng):
-            state = frozen_base.initial_state(self.model, self.optimizer, rng, *self.lengths)
-            return state.replace(step=jnp.int32(step))
+            state = lora_base.initial_state(self.model, self.optimizer, rng, *self.lengths)
+            return state.replace(step=jnp.int32(start.input_start_step))
 
         return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed))

@@ -3,7 +3,7 @@ request choosing one with its "adapter" parameter.
 
 At start-up, before anything is loaded, each adapter's checkpoint must be a LoRA run's, all of
 one LoRA settings, each trained on the served model's files (their fingerprints,
-base_fingerprint.py): anything else is refused in one line. Once the base is loaded, each
+lora_base_fingerprint.py): anything else is refused in one line. Once the base is loaded, each
 adapter's `lora_a`/`lora_b` are read and joined to the base's parameters: the base arrays are
 the base engine's own, referenced by every adapter's tree, never copied. One Engine with the
 adapted network (x W + (x A) B * alpha / rank) runs every adapter and the base itself, as an
@@ -23,12 +23,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from t5tpu.errors import UserError
+from t5tpu.formats import loader
 from t5tpu.model import lora, precision
 from t5tpu.model.encoder_decoder import adapted_model
 from t5tpu.model.engine import Engine
-from t5tpu.storage import adapted_checkpoints, base_fingerprint, checkpoints, run_record
-from t5tpu.storage import model_dir as paths
-from t5tpu.storage.adapted_checkpoints import AdapterRecord
+from t5tpu.storage import locations, lora_base_fingerprint
+from t5tpu.storage.lora_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
@@ -36,17 +36,16 @@ _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]*")
 
 @dataclasses.dataclass(frozen=True)
 class AdapterCheckpoint:
-    """An adapter to serve: its name, its checkpoint (MODEL_DIR and step) and what that says."""
+    """An adapter to serve: its name, its checkpoint (opened by formats/loader.py, a LoRA run's)
+    and that run's record."""
 
     name: str
-    model_dir: str
-    step: int
-    record: AdapterRecord
+    checkpoint: loader.Checkpoint
     run: RunRecord | None = None  # the LoRA run's record: its task, lengths, input shaping
 
     @property
-    def path(self) -> str:
-        return paths.checkpoint_dir(self.model_dir, self.step)
+    def record(self) -> AdapterRecord:
+        return self.checkpoint.lora
 
 
 def _spec(text: str) -> tuple[str, str]:
@@ -59,32 +58,23 @@ def _spec(text: str) -> tuple[str, str]:
     return name, path
 
 
-def _absolute(path: str) -> str:
-    return path if "://" in path else os.path.abspath(path)
-
-
 def open_adapter(text: str) -> AdapterCheckpoint:
     """The adapter `--adapter=NAME=PATH` names: PATH's newest checkpoint, or PATH itself."""
-    from t5tpu.api import loading
-
     name, given = _spec(text)
-    if "://" not in given and not os.path.exists(given):
+    if not locations.is_remote(given) and not os.path.exists(given):
         raise UserError(f"--adapter {name}={given} does not exist; give a LoRA run's MODEL_DIR")
-    path = _absolute(loading.checkpoint_path(given).rstrip("/"))
-    step = paths.step_of(path)
-    if step is None:
+    step_dir = loader.named_step_dir(loader.checkpoint_path(given))
+    if step_dir is None:
         raise UserError(
             f"--adapter {name}={given} is not a t5tpu MODEL_DIR or checkpoint_N; give a LoRA run's"
         )
-    model_dir = os.path.dirname(path)
-    mngr = checkpoints.manager(model_dir, read_only=True)
-    record = adapted_checkpoints.record_of(mngr, step)
-    if record is None:
+    checkpoint = loader.in_model_dir(step_dir.model_dir, step_dir.step)
+    if checkpoint.lora is None:
         raise UserError(
             f"--adapter {name}={given} is a full model's checkpoint, not a LoRA run's: serve it "
             "on its own with --model"
         )
-    return AdapterCheckpoint(name, model_dir, step, record, run_record.record_of(mngr, step))
+    return AdapterCheckpoint(name, checkpoint, checkpoint.run_record())
 
 
 def open_adapters(texts: Sequence[str]) -> tuple[AdapterCheckpoint, ...]:
@@ -107,7 +97,7 @@ def check_base(adapters: Sequence[AdapterCheckpoint], served: str) -> None:
     """Refuses, in one line, an adapter trained on another base than the checkpoint `served`."""
     if not adapters:
         return
-    found = base_fingerprint.fingerprint(served)
+    found = lora_base_fingerprint.fingerprint(served)
     for adapter in adapters:
         if adapter.record.base.fingerprint != found:
             raise UserError(
@@ -135,24 +125,6 @@ class ServedAdapters:
         copy, no compile."""
         self.engine.set_params(self.params[name])
         return self.engine
-
-
-def _rounded_base(base_dtype: str):
-    """A view of {"params": adapted tree, "rounded": flag}: the adapted tree with its base as
-    the adapter's run trained on it (lora.base_as_trained, as training and t5tpu.load make it)
-    where the flag says so; the base alone (flag False) as it is."""
-
-    def view(tree):
-        trained = lora.base_as_trained(tree["params"], base_dtype)
-        return jax.tree_util.tree_map(
-            lambda low, x: jnp.where(tree["rounded"], low, x), trained, tree["params"]
-        )
-
-    return view
-
-
-def _unwrapped(tree):
-    return tree["params"]
 
 
 def _needs_rounding(settings: lora.LoraSettings, activation_dtype) -> bool:
@@ -185,15 +157,12 @@ def load_adapters(
     flag = jax.device_put(np.bool_(False), partitioner.replicated())
     trees: dict[str | None, dict] = {}
     for adapter in adapters:
-        mngr = checkpoints.manager(adapter.model_dir, read_only=True)
-        own = adapted_checkpoints.restore_adapters(
-            mngr, adapter.step, abstract, shardings, adapter.record
-        )
+        own = adapter.checkpoint.adapters(abstract, shardings)
         joined = lora.join(base_params, precision.cast_params(own, dtype))
         rounded = jax.device_put(np.bool_(_needs_rounding(settings, dtype)), flag.sharding)
-        trees[adapter.name] = {"params": joined, "rounded": rounded}
+        trees[adapter.name] = lora.served_tree(joined, rounded)
     _, first = lora.split(trees[adapters[0].name]["params"])
-    trees[None] = {"params": lora.join(base_params, _zeros_like(first)), "rounded": flag}
+    trees[None] = lora.served_tree(lora.join(base_params, _zeros_like(first)), flag)
     engine = Engine(
         network=adapted_model(base.model, settings),
         params=trees[None],
@@ -202,8 +171,8 @@ def load_adapters(
         batch_size=base.shapes.batch_size,
         max_input_length=base.shapes.max_input_length,
         max_target_length=base.shapes.max_target_length,
-        param_view=(
-            _rounded_base(settings.base_dtype) if _needs_rounding(settings, dtype) else _unwrapped
+        param_view=lora.served_view(
+            settings.base_dtype if _needs_rounding(settings, dtype) else None
         ),
     )
     return ServedAdapters(engine=engine, params=trees)

@@ -1,7 +1,7 @@
 """`t5tpu serve` as a service answering one-line questions: its start-up time, `ab`'s load
 numbers and its resident memory after the load (docs/SERVING.md and docs/PERFORMANCE.md).
 
-    T5TPU_COMPILATION_CACHE=off .venv/bin/python scripts/ab_load.py \\
+    T5TPU_COMPILATION_CACHE=off .venv/bin/python scripts/bench/ab_load.py \\
         --gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin --model_dir=/tmp/t5tpu_demo
     # one LoRA adapter served beside the base:  --adapter=qp=/tmp/qp_lora
     # streamed answers (server-sent events):      --parameters='{"stream": true}'
@@ -26,7 +26,7 @@ import tempfile
 import time
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 BODY = {"instances": ["is duplicate: how do i learn python? <SEP> how can i learn python fast?"]}
 
 

@@ -1,9 +1,9 @@
 """Inference on a large file: examples/s and peak memory of `t5tpu infer`, against an older
 checkout of t5tpu, transformers' pipeline and CTranslate2 on the same inputs.
 
-    .venv/bin/python scripts/bench_infer.py --model=tiny --num_inputs=100000
-    .venv/bin/python scripts/bench_infer.py --model=small --num_inputs=2000 --compare=hf,ct2
-    .venv/bin/python scripts/bench_infer.py --model=tiny --num_inputs=20000 --before=/tmp/old
+    .venv/bin/python scripts/bench/bench_infer.py --model=tiny --num_inputs=100000
+    .venv/bin/python scripts/bench/bench_infer.py --model=small --num_inputs=2000 --compare=hf,ct2
+    .venv/bin/python scripts/bench/bench_infer.py --model=tiny --num_inputs=20000 --before=/tmp/old
 
 The inputs are Quora pairs drawn (with replacement, seeded) from the bundled sample, written as
 the qp_is_duplicate task writes them, so their lengths follow the sample's. The model is the
@@ -28,7 +28,7 @@ import subprocess
 import sys
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERIMENT = "configs/experiments/qp_is_duplicate_tiny_cpu.gin"
 SMALL = [
     "--gin_file=configs/models/t5_1_1/small.gin",

@@ -1,9 +1,9 @@
 """Where a decoding step's time goes: the engine's segment program, timed and profiled.
 
-    .venv/bin/python scripts/step_profile.py --slots 32 1 --dtype=bfloat16
+    .venv/bin/python scripts/bench/step_profile.py --slots 32 1 --dtype=bfloat16
 
 Fills N slots with Quora questions (inputs padded to 32 tokens) on T5 1.1 small's geometry
-(scripts/bench_uneven.py's export, its EOS row zeroed so no row ends early; or --model, any
+(scripts/bench/bench_uneven.py's export, its EOS row zeroed so no row ends early; or --model, any
 `t5tpu.load` source), times a segment of --steps steps (best of five), then traces one with
 jax.profiler and sums XLA's per-op events by what each op computes, read from its HLO metadata.
 An op that runs on both CPU threads appears on both, so a part's share is of the summed op time,

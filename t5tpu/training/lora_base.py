@@ -14,12 +14,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5tpu.model import lora
+from t5tpu.model import lora, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.training import trainer
-
-# serve/adapters.py's name for model/encoder_decoder.py's function, until serve calls that.
 
 
 class _WithBase:
@@ -40,7 +38,7 @@ class _WithBase:
 
 
 @dataclasses.dataclass(frozen=True)
-class FrozenBaseShapes:
+class LoraBaseShapes:
     """The train state's abstract shapes and shardings (adapters and their optimizer state),
     and the base's (in its training dtype) beside them."""
 
@@ -51,11 +49,11 @@ class FrozenBaseShapes:
 
 
 def state_shardings(
-    model: EncoderDecoderModel, optimizer, partitioner: Partitioner, input_length, target_length
-) -> FrozenBaseShapes:
+    model: EncoderDecoderModel, optimizer, partitioner: Partitioner
+) -> LoraBaseShapes:
     """Like trainer.state_shardings for the adapted `model`: adapters and their moments are
     partitioned by their logical axes, like the kernels they adapt; the base likewise."""
-    boxed = trainer.boxed_abstract_params(model, input_length, target_length)
+    boxed = param_shapes.boxed_abstract_params(model.config)
     boxed_base, boxed_adapters = lora.split(boxed)
     adapters = nn.unbox(boxed_adapters)
     abstract = jax.eval_shape(
@@ -70,7 +68,7 @@ def state_shardings(
     base = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, dtype), nn.unbox(boxed_base)
     )
-    return FrozenBaseShapes(abstract, shardings, base, partitioner.param_shardings(boxed_base))
+    return LoraBaseShapes(abstract, shardings, base, partitioner.param_shardings(boxed_base))
 
 
 def initial_state(model: EncoderDecoderModel, optimizer, rng, input_length, target_length):
@@ -82,7 +80,7 @@ def initial_state(model: EncoderDecoderModel, optimizer, rng, input_length, targ
 
 
 def compile_train_step(
-    model, optimizer, shapes: FrozenBaseShapes, partitioner: Partitioner, num_microbatches: int = 1
+    model, optimizer, shapes: LoraBaseShapes, partitioner: Partitioner, num_microbatches: int = 1
 ):
     """The jit'd step (state, base, batch, dropout_seed) -> (state, metrics); the old state is
     donated, the base is not."""

@@ -1,8 +1,9 @@
 """Checkpoints of LoRA runs: their `params` item holds the adapters alone, and their metadata
-the LoRA settings and the base checkpoint (path and fingerprint, base_fingerprint.py).
+the LoRA settings and the base checkpoint (path and fingerprint, lora_base_fingerprint.py).
 
-The record and the adapters are read here; the base, which may be in any format, is opened and
-merged by formats/loader.py, which every command reads checkpoints through.
+The record and the adapters' bytes are read here, onto the adapter shapes the caller gives;
+which shapes a model's adapters take (model/lora.py), and the base, which may be in any format,
+are formats/loader.py's, which every command reads checkpoints through.
 """
 
 from __future__ import annotations
@@ -12,10 +13,10 @@ import dataclasses
 import jax
 
 from t5tpu.errors import UserError
-from t5tpu.model import layer_stacking, lora
+from t5tpu.model import lora
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
-from t5tpu.storage.base_fingerprint import BaseReference
+from t5tpu.storage.lora_base_fingerprint import BaseReference
 
 # The custom metadata key of an adapter checkpoint.
 LORA = "lora"
@@ -45,18 +46,9 @@ def record_of(mngr, step: int) -> AdapterRecord | None:
     return AdapterRecord.from_metadata(mngr.metadata(step).custom_metadata)
 
 
-def _adapter_targets(abstract_params, shardings, record: AdapterRecord):
-    return lora.adapter_shapes(abstract_params, shardings, record.settings)
-
-
-def check_geometry(mngr, step: int, abstract_params) -> None:
-    """checkpoints.check_geometry for plain checkpoints; for adapter ones, the adapters are
-    checked against the ones the model's kernels take."""
-    record = record_of(mngr, step)
-    if record is None:
-        checkpoints.check_geometry(mngr, step, abstract_params)
-        return
-    expected = _adapter_targets(layer_stacking.unstack_layers(abstract_params), None, record)
+def check_geometry(mngr, step: int, expected) -> None:
+    """Refuses, listing the differences, adapters of checkpoint `step` other than `expected`
+    (the adapter shapes the model's kernels take, layers unrolled as on disk)."""
     differences = checkpoints.geometry_differences(
         checkpoints.flat_shapes(mngr.item_metadata(step)["params"]),
         checkpoints.flat_shapes(expected),
@@ -68,11 +60,9 @@ def check_geometry(mngr, step: int, abstract_params) -> None:
         )
 
 
-def restore_adapters(mngr, step: int, abstract_params, shardings, record: AdapterRecord):
-    """The adapters alone of adapter checkpoint `step` (float32, placed like the kernels they
-    adapt), checked against the ones the model's kernels take (`abstract_params`)."""
-    check_geometry(mngr, step, abstract_params)
-    targets = _adapter_targets(abstract_params, shardings, record)
+def restore_adapters(mngr, step: int, targets):
+    """The adapters alone of adapter checkpoint `step`, onto `targets` (shapes, dtypes and
+    shardings, as ShapeDtypeStructs)."""
     return checkpoints.restore_params(
         mngr, step, targets, jax.tree_util.tree_map(lambda t: t.sharding, targets)
     )

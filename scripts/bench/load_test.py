@@ -2,7 +2,7 @@
 after another over one keep-alive connection; errors, requests/s and latency percentiles, every
 answer checked against the one the server gave the same input alone.
 
-    python scripts/load_test.py --gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin \\
+    python scripts/bench/load_test.py --gin_file=configs/experiments/qp_is_duplicate_tiny_cpu.gin \\
         --gin.MODEL_DIR="'/tmp/qp'" --clients=64 --requests=20 --compare_unbatched
 
 starts `t5tpu serve` with the gin flags (and any --serve_flag) on a free port of 127.0.0.1,
@@ -29,7 +29,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 

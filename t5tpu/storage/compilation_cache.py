@@ -20,6 +20,8 @@ import os
 import sys
 import tempfile
 
+from t5tpu.storage import locations
+
 ENV = "T5TPU_COMPILATION_CACHE"
 # JAX keeps every program forever: this bounds the disk the cache takes, with room for many
 # models' programs on TPU (sizes seen on CPU: docs/PERFORMANCE.md).
@@ -48,7 +50,7 @@ def directory() -> str | None:
 def _unwritable(path: str) -> str | None:
     """Why no cache entry can be written under `path`, or None when one can. Remote paths
     (gs://) are JAX's to reach; asking the bucket here would cost a round trip every start."""
-    if "://" in path:
+    if locations.is_remote(path):
         return None
     try:
         os.makedirs(path, exist_ok=True)
@@ -102,7 +104,7 @@ def trim(path: str, max_bytes: int | None = None) -> int:
     write new programs beside ones cached without it, as every cache made before would be.
     Empty entries (a write cut short by a full disk, which JAX would never redo) go first."""
     max_bytes = MAX_BYTES if max_bytes is None else max_bytes
-    if "://" in path:
+    if locations.is_remote(path):
         return 0
     entries = []
     with os.scandir(path) as listing:

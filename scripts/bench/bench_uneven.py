@@ -2,10 +2,10 @@
 bfloat16) against CTranslate2 (float32 and int8) on the same weights and inputs.
 
     .venv/bin/pip install ctranslate2
-    .venv/bin/python scripts/bench_uneven.py --num_inputs=512 --batch_sizes 1 8 32
+    .venv/bin/python scripts/bench/bench_uneven.py --num_inputs=512 --batch_sizes 1 8 32
 
 The model is T5 1.1 small's geometry with the bundled vocabulary after one training step
-(scripts/bench_infer.py makes it), exported to Hugging Face's format. Weights that close to
+(scripts/bench/bench_infer.py makes it), exported to Hugging Face's format. Weights that close to
 random decode most inputs to the full length, so the output layer's EOS row is scaled
 (--eos_scale) until greedy outputs end at uneven lengths. The inputs are Quora questions from
 the bundled sample. t5tpu runs through `t5tpu.load` (the engine `t5tpu infer` uses),

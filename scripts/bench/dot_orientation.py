@@ -1,6 +1,6 @@
 """How fast XLA:CPU reads a decoding step's weights, by the orientation of its bf16 dots.
 
-    .venv/bin/python scripts/dot_orientation.py --rows 1 8 32
+    .venv/bin/python scripts/bench/dot_orientation.py --rows 1 8 32
 
 One program per (orientation, rows) runs the matmuls of a T5 1.1 small decoding step (8 layers:
 self-attention's query/key/value/out, cross-attention's query/out, gated MLP, then the output
