@@ -151,6 +151,14 @@ class DecodingSettings:
             )
 
 
+def of_arguments(arguments: dict) -> DecodingSettings:
+    """The settings a runner's arguments (infer's, evaluate's: their `locals()`) name, by the
+    fields' names (the seed by gin's `random_seed`); others at their defaults."""
+    names = {field.name: field.name for field in dataclasses.fields(DecodingSettings)}
+    names["seed"] = "random_seed"
+    return DecodingSettings(**{f: arguments[a] for f, a in names.items() if a in arguments})
+
+
 def first_max_index(x: Array, axis: int = -1) -> Array:
     """jnp.argmax over `axis` (the first index of the largest value), as two plain
     reductions: XLA:CPU runs argmax's (value, index) reduction unvectorized, far slower than

@@ -165,10 +165,7 @@ def evaluate(
     Results go to `output_dir` (EVAL_OUTPUT_DIR), else MODEL_DIR. Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
-    settings = decoding.DecodingSettings(
-        num_beams=num_beams, beam_alpha=beam_alpha, length_penalty=length_penalty
-    )
-    settings.check(model.config.vocab_size)
+    (settings := decoding.of_arguments(locals())).check(model.config.vocab_size)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")

@@ -455,19 +455,7 @@ def infer(
     chunks, into `output_dir` (else MODEL_DIR), texts shaped as the run's (_Inputs)."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    settings = decoding.DecodingSettings(
-        temperature=temperature,
-        top_k=top_k,
-        num_beams=num_beams,
-        beam_alpha=beam_alpha,
-        seed=random_seed,
-        top_p=top_p,
-        repetition_penalty=repetition_penalty,
-        no_repeat_ngram_size=no_repeat_ngram_size,
-        min_new_tokens=min_new_tokens,
-        num_return_sequences=num_return_sequences,
-        length_penalty=length_penalty,
-    )
+    settings = decoding.of_arguments(locals())
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")
