@@ -80,9 +80,13 @@ def multiple(of: int, what: str) -> Rule:
 
 
 def number(
-    *, above: float | None = None, low: float | None = None, below: float | None = None
+    *,
+    above: float | None = None,
+    low: float | None = None,
+    below: float | None = None,
+    high: float | None = None,
 ) -> Rule:
-    """A finite number, optionally > above, >= low and < below."""
+    """A finite number, optionally > above, >= low, < below and <= high."""
 
     def accepts(value) -> bool:
         return (
@@ -90,10 +94,15 @@ def number(
             and (above is None or value > above)
             and (low is None or value >= low)
             and (below is None or value < below)
+            and (high is None or value <= high)
         )
 
     if low is not None and below is not None:
         wanted = f"a number in [{low}, {below})"
+    elif low is not None and high is not None:
+        wanted = f"a number from {low:g} to {high:g}"
+    elif above is not None and high is not None:
+        wanted = f"a number above {above:g} and at most {high:g}"
     elif above is not None:
         wanted = f"a number > {above}"
     elif low is not None:

@@ -342,7 +342,7 @@ IS_DUPLICATE = serving.Route(
     fields=(serving.Field("question1"), serving.Field("question2")),
     prompt=is_duplicate_line,
     respond=_is_positive,
-    decoding={"max_length": 4},  # "1" or "0" and EOS
+    decoding={"max_new_tokens": 4},  # "1" or "0" and EOS
 )
 SIMILAR_QUESTION = serving.Route(
     name="similar_question",

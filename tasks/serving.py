@@ -56,7 +56,7 @@ class Route:
     """`POST /v1/<name>`, offered by seqio task `task` (and the same task over other sources,
     `aliases`): it asks models trained on one of them. `prompt` puts the fields in the task's
     words; the model then shapes that text as its run shaped its training inputs (a Quora
-    model lower-cases it). `decoding` fixes settings (e.g. max_length) and then the route takes
+    model lower-cases it). `decoding` fixes settings (e.g. max_new_tokens) and then the route takes
     no decoding parameters; None takes the request's."""
 
     name: str

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from t5tpu.tasks import quora, text_to_text
 
-from t5tpu.model.decoding import DecodingSettings
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.runtime.lazy_imports import seqio
 from t5tpu.storage import run_record
 from t5tpu.storage.run_record import InputShaping, RunRecord

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 
 from t5tpu.model.decoding import (
-    DecodingSettings,
     Picking,
     Prefix,
     _decoder_step,
@@ -18,6 +17,7 @@ from t5tpu.model.decoding import (
     _split,
     row_settings,
 )
+from t5tpu.model.decoding_settings import DecodingSettings
 
 Array = jax.Array
 
@@ -76,9 +76,9 @@ def decode(
 def predict(model, params, tokens, max_length: int, rng=None, settings=None):
     """`decode` (or beam search) of a batch with a model's settings, as
     EncoderDecoderModel.predict once did."""
-    from t5tpu.model import decoding
+    from t5tpu.model import decoding, decoding_settings
 
-    settings = settings or decoding.DecodingSettings()
+    settings = settings or decoding_settings.DecodingSettings()
     eos = model.vocabulary.eos_id
     if settings.num_beams > 1:
         return decoding.beam_search(

@@ -202,7 +202,7 @@ def test_generate_ids_beam_and_sampling_settings(model):
     assert model.generate_ids(ids, max_new_tokens=6, num_beams=3).shape == (1, 6)
     sampled = [model.generate_ids(ids, max_new_tokens=6, temperature=1.0, seed=s) for s in (0, 0)]
     np.testing.assert_array_equal(*sampled)  # seeded
-    with pytest.raises(UserError, match="NUM_BEAMS"):
+    with pytest.raises(UserError, match="num_beams = 0 must be a whole number from 1 to 16"):
         model.generate_ids(ids, num_beams=0)
 
 
@@ -316,5 +316,7 @@ def test_a_named_step_and_bad_calls(model_dir, model):
     with pytest.raises(UserError, match="2 inputs but 1 targets"):
         model.score(["a", "b"], ["c"])
     for bad in (0, -3, 2.5, True):  # 0 used to mean the default, silently
-        with pytest.raises(UserError, match=f"max_length = {bad!r} must be a whole number >= 1"):
+        with pytest.raises(
+            UserError, match=f"max_length = {bad!r} must be None or a whole number from 1 to 65536"
+        ):
             model.predict(["is duplicate: a <SEP> b"], max_length=bad)

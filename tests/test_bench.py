@@ -61,7 +61,7 @@ def check_engine_calls(calls: list) -> None:
     the Python API and serve run) with the workloads' settings on the bench's 2 rows: the decode
     of --decode_length tokens (every row that long: no id ends it) and its prefill, a decode of
     one token; each first called once (its compiles), then once per timed repetition."""
-    from t5tpu.model.decoding import DecodingSettings
+    from t5tpu.model.decoding_settings import DecodingSettings
 
     greedy = DecodingSettings()
     sampling = dataclasses.replace(greedy, temperature=1.0)

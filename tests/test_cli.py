@@ -212,11 +212,11 @@ BAD_INPUTS = {
     ),
     "eval with zero beams": (
         ["eval", *memorize_flags("--gin.NUM_BEAMS=0")],
-        "NUM_BEAMS = 0 must be a whole number >= 1",
+        "NUM_BEAMS = 0 must be a whole number from 1 to 16",
     ),
     "top_k above the vocabulary": (
         ["infer", *memorize_flags("--gin.TOP_K=5000", "--gin.TEMPERATURE=1.0")],
-        "TOP_K = 5000 must be between 0 (no limit) and the vocabulary size 1024",
+        "TOP_K = 5000 must be at most the vocabulary size (1024)",
     ),
     "checkpoint of another shape": (
         ["eval", *memorize_flags("--gin.T5Config.emb_dim=64")],

@@ -11,7 +11,7 @@ import pytest
 import reference_decoding
 import seqio
 
-from t5tpu.model import decoding, engine, param_shapes, slot_batch
+from t5tpu.model import decoding, decoding_settings, engine, param_shapes, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runtime import compile_events
@@ -51,7 +51,7 @@ def _engine(tiny, batch_size: int, smaller_batches: bool = False) -> engine.Engi
     )
 
 
-def _alone(tiny, settings: decoding.DecodingSettings) -> list[np.ndarray]:
+def _alone(tiny, settings: decoding_settings.DecodingSettings) -> list[np.ndarray]:
     """Each row decoded in a batch of its own by the whole-batch reference decoder."""
     model, params, _, _, rows = tiny
     decode = jax.jit(
@@ -72,9 +72,9 @@ def _length(ids: np.ndarray) -> int:
 @pytest.mark.parametrize(
     "settings",
     [
-        decoding.DecodingSettings(),
-        decoding.DecodingSettings(temperature=1.0, top_k=20, seed=3),
-        decoding.DecodingSettings(temperature=0.8, top_k=50, top_p=0.9, seed=5),
+        decoding_settings.DecodingSettings(),
+        decoding_settings.DecodingSettings(temperature=1.0, top_k=20, seed=3),
+        decoding_settings.DecodingSettings(temperature=0.8, top_k=50, top_p=0.9, seed=5),
     ],
     ids=["greedy", "sampled", "top_p"],
 )
@@ -104,7 +104,7 @@ def test_a_server_batch_that_rows_outgrow_leaves_them_to_a_larger_one(tiny, monk
         start(self, engine=engine, request=request, shape=shape)
 
     monkeypatch.setattr(slot_batch.SlotBatch, "__init__", recorded)
-    settings = decoding.DecodingSettings(temperature=1.0, seed=5)
+    settings = decoding_settings.DecodingSettings(temperature=1.0, seed=5)
     feed = _Trickle(tiny[4])  # one row at first, then the rest after the first segment
     got = {}
     server = _engine(tiny, batch_size=8, smaller_batches=True)
@@ -139,7 +139,7 @@ class _Trickle:
 
 def test_beam_search_and_scores_match_the_whole_batch_functions(tiny):
     model, params, _, _, rows = tiny
-    settings = decoding.DecodingSettings(num_beams=3)
+    settings = decoding_settings.DecodingSettings(num_beams=3)
     got = _engine(tiny, batch_size=4).generate(rows[:3], engine.Request(settings, MAX_LENGTH))
     tokens = slot_batch.padded(rows[:3], 3, 32)
     expected = np.asarray(
@@ -179,7 +179,7 @@ def test_a_known_lists_bucket_of_few_rows_joins_a_longer_one():
 
 def test_warm_up_compiles_the_documented_programs_and_decoding_compiles_none(tiny):
     server = _engine(tiny, batch_size=8, smaller_batches=True)
-    request = engine.Request(decoding.DecodingSettings(), MAX_LENGTH)
+    request = engine.Request(decoding_settings.DecodingSettings(), MAX_LENGTH)
     # 2 row counts (2, 8) x 2 input buckets (16, 32) x (insert, segment).
     assert server.warm_up(request) == server.programs_needed(request) == 8
     before = compile_events.lowered()
@@ -194,18 +194,18 @@ def test_any_temperature_top_k_and_top_p_sample_with_one_set_of_programs(tiny):
     """Sampling's values are the programs' inputs (each slot's own): new values compile
     nothing, and they take effect (top_k 1 is greedy whatever the temperature)."""
     server, rows = _engine(tiny, batch_size=4), tiny[4]
-    sample = engine.Request(decoding.DecodingSettings(temperature=1.0, seed=1), MAX_LENGTH)
+    sample = engine.Request(decoding_settings.DecodingSettings(temperature=1.0, seed=1), MAX_LENGTH)
     first = server.generate(rows, sample)
     programs, lowered = server.program_count, compile_events.lowered()
     others = [
-        decoding.DecodingSettings(temperature=0.3, top_k=5, seed=1),
-        decoding.DecodingSettings(temperature=2.0, top_p=0.5, seed=1),
-        decoding.DecodingSettings(temperature=1.5, top_k=1, top_p=0.8, seed=9),
+        decoding_settings.DecodingSettings(temperature=0.3, top_k=5, seed=1),
+        decoding_settings.DecodingSettings(temperature=2.0, top_p=0.5, seed=1),
+        decoding_settings.DecodingSettings(temperature=1.5, top_k=1, top_p=0.8, seed=9),
     ]
     outputs = [server.generate(rows, engine.Request(s, MAX_LENGTH)) for s in others]
     assert (server.program_count, compile_events.lowered()) == (programs, lowered)
     assert not all(np.array_equal(a, b) for a, b in zip(first, outputs[1], strict=True))
-    greedy = server.generate(rows, engine.Request(decoding.DecodingSettings(), MAX_LENGTH))
+    greedy = server.generate(rows, engine.Request(decoding_settings.DecodingSettings(), MAX_LENGTH))
     for a, b in zip(outputs[2], greedy, strict=True):
         np.testing.assert_array_equal(a, b)
 
@@ -216,7 +216,7 @@ def test_rows_are_seen_as_they_decode_and_a_row_whose_caller_left_frees_its_slot
     and the rows beside it answer as they would have anyway. Neither compiles anything."""
     rows = tiny[4]
     server = _engine(tiny, batch_size=4, smaller_batches=True)
-    request = engine.Request(decoding.DecodingSettings(), MAX_LENGTH)
+    request = engine.Request(decoding_settings.DecodingSettings(), MAX_LENGTH)
     want = server.generate(rows, request)
     programs = server.program_count
     long = [i for i, ids in enumerate(want) if _length(ids) > 6]

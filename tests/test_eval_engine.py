@@ -13,7 +13,7 @@ from t5tpu.tasks import register_builtin_tasks
 
 import t5tpu
 from t5tpu.config import gin_setup
-from t5tpu.model import decoding
+from t5tpu.model import decoding_settings
 from t5tpu.runners.evaluator import TaskEvaluator, _examples
 from t5tpu.storage import model_dir as paths
 
@@ -76,7 +76,7 @@ def test_eval_on_the_engine_gives_the_whole_batch_decoders_metrics(trained_tiny,
         batch_size=32,
         partitioner=model.engine.partitioner,
         param_shardings=model.engine._param_shardings,
-        settings=decoding.DecodingSettings(),
+        settings=decoding_settings.DecodingSettings(),
     )
     ours = TaskEvaluator(model_dir=str(tmp_path / "engine"), **kwargs)
     reference = _WholeBatchEvaluator(model_dir=str(tmp_path / "whole"), **kwargs)

@@ -14,7 +14,7 @@ import seqio
 from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
 from tiny import tiny_config
 
-from t5tpu.model import decoding, feature_major, lora, precision
+from t5tpu.model import decoding, decoding_settings, feature_major, lora, precision
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request
 from t5tpu.model.network import Transformer
@@ -87,7 +87,7 @@ def _engine(config, params, batch_size: int) -> Engine:
     )
 
 
-PENALIZED = decoding.DecodingSettings(repetition_penalty=1.8, no_repeat_ngram_size=2)
+PENALIZED = decoding_settings.DecodingSettings(repetition_penalty=1.8, no_repeat_ngram_size=2)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -98,7 +98,7 @@ def test_the_engine_decodes_the_hf_fixtures_in_bf16_as_in_float32(saved, variant
     _, _, config, params = saved[variant]
     inputs, _ = _batch()
     rows = [[int(i) for i in row if i] for row in inputs]
-    request = Request(PENALIZED if variant == "1.1" else decoding.DecodingSettings(), 10)
+    request = Request(PENALIZED if variant == "1.1" else decoding_settings.DecodingSettings(), 10)
     bf16 = dataclasses.replace(config, dtype="bfloat16")
     for batch_size in (4, 1):
         reference = _engine(config, params, batch_size)
@@ -115,7 +115,7 @@ def test_sampling_draws_what_the_networks_decode_draws(batch_size):
     draws as the network's decode from the same keys."""
     module, params, tokens = _network()
     rows = [[int(i) for i in row if i] for row in np.asarray(tokens)]
-    request = Request(decoding.DecodingSettings(temperature=1.0, top_k=8, seed=3), 10)
+    request = Request(decoding_settings.DecodingSettings(temperature=1.0, top_k=8, seed=3), 10)
     engine = _engine(module.config, params, batch_size)
     assert engine.step_weights is not None
     got = engine.generate(rows, request)

@@ -15,7 +15,7 @@ from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
 from t5tpu.formats import loader
-from t5tpu.model import decoding
+from t5tpu.model import decoding_settings
 from t5tpu.runners import infer
 
 
@@ -46,13 +46,16 @@ def test_a_bad_model_file_leaves_the_callers_gin_config_as_it_was(tmp_path):
 
 
 def test_infer_settings_are_the_bound_values_else_the_runners_defaults():
-    gin_setup.parse([TINY_EXPERIMENT], ["NUM_BEAMS = 4", "infer.beam_alpha = 0.8"], [])
+    gin_setup.parse([TINY_EXPERIMENT], ["NUM_BEAMS = 4", "infer.beam_alpha = 0.8", "SEED = 7"], [])
     settings = runner_settings.bound_settings(infer.infer, runner_settings.InferSettings)
     assert settings.truncation == "warn"
     chosen = runner_settings.infer_decoding()
     assert (chosen.num_beams, chosen.beam_alpha, chosen.temperature, chosen.top_k) == (4, 0.8, 0, 0)
-    assert runner_settings.infer_decoding(decoding.DecodingSettings(seed=7)).seed == 7
-    assert runner_settings.infer_decoding(decoding.DecodingSettings(num_beams=2)).num_beams == 4
+    assert runner_settings.infer_decoding(decoding_settings.DecodingSettings(seed=3)).seed == 7
+    assert (
+        runner_settings.infer_decoding(decoding_settings.DecodingSettings(num_beams=2)).num_beams
+        == 4
+    )
     assert settings.task_feature_lengths == gin_setup.bound_value("infer.task_feature_lengths")
     assert settings.model_dir is None  # the experiment leaves MODEL_DIR to the command line
 

@@ -239,7 +239,7 @@ def test_greedy_with_penalties_decodes_as_transformers_generate(tmp_path):
     the engine (each row its own values, one program): the ids of transformers' generate. The
     T5 1.1 fixture's EOS made likelier, so that rows end early and min_new_tokens matters."""
     from t5tpu import api
-    from t5tpu.model import decoding, engine
+    from t5tpu.model import decoding_settings, engine
 
     model = _hf_model("1.1")
     with torch.no_grad():
@@ -255,12 +255,14 @@ def test_greedy_with_penalties_decodes_as_transformers_generate(tmp_path):
         assert not np.array_equal(expected[name], plain), name  # the option changes the ids
     rows = [[int(i) for i in row if i] for row in inputs]
     mixed = [
-        engine.Row(tuple(ids), tag=(name, r), settings=decoding.DecodingSettings(**options))
+        engine.Row(
+            tuple(ids), tag=(name, r), settings=decoding_settings.DecodingSettings(**options)
+        )
         for name, options in PENALTIES.items()
         for r, ids in enumerate(rows)
     ]
     feed = engine.ListFeed(mixed, bucket=loaded.engine.bucket)
-    request = engine.Request(decoding.DecodingSettings(), length)
+    request = engine.Request(decoding_settings.DecodingSettings(), length)
     for decoded in loaded.engine.stream(feed, request):
         name, r = decoded.row.tag
         np.testing.assert_array_equal(decoded.ids, expected[name][r], err_msg=name)
@@ -283,7 +285,7 @@ def test_n_best_beams_and_their_scores_are_transformers_own(variant, ranking, tm
     same ranking (its default early_stopping=False rule included). EOS made likelier, so that
     hypotheses of many lengths compete and the ranking matters."""
     from t5tpu import api
-    from t5tpu.model import decoding, engine
+    from t5tpu.model import decoding_settings, engine
 
     model, directory = _hf_model(variant), str(tmp_path)
     with torch.no_grad():
@@ -319,7 +321,7 @@ def test_n_best_beams_and_their_scores_are_transformers_own(variant, ranking, tm
     np.testing.assert_array_equal(loaded.generate_ids(inputs, **settings), want)
     assert len({tuple(s) for row in want for s in row}) > len(inputs)  # n distinct a row
     rows = [[int(i) for i in row if i] for row in inputs]
-    request = engine.Request(decoding.DecodingSettings(**settings), length)
+    request = engine.Request(decoding_settings.DecodingSettings(**settings), length)
     scores = np.stack([d.scores for d in loaded.engine.decoded(rows, request)])
     # transformers' scores are normalized, t5tpu's the log-likelihoods: length ** penalty apart.
     ended = want == EOS

@@ -15,8 +15,8 @@ from cli_runs import read_jsonl as read_rows
 
 from t5tpu import package_files
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
-from t5tpu.model.decoding import DecodingSettings
+from t5tpu.model import decoding_settings
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.runners import infer as infer_runner
 from t5tpu.runners import infer_chunks, infer_inputs
 from t5tpu.runners.prediction_files import file_name, own_file
@@ -62,7 +62,7 @@ VOCAB = 1024
     [(0.0, 0, 1), (1, 0, 1), (0.7, 40, 1), (1.0, VOCAB, 1), (0.0, 5, 1), (0.0, 0, 4)],
 )
 def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top_k, num_beams):
-    decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
+    decoding_settings.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -73,31 +73,31 @@ def test_check_settings_accepts_greedy_sampling_and_beam_search(temperature, top
         ("hot", 0, 1, "TEMPERATURE = 'hot' must be 0.0 (greedy) or a number from 1e-06"),
         (1e-320, 0, 1, "TEMPERATURE = 1e-320 must be 0.0 (greedy) or a number from 1e-06"),
         (1e308, 0, 1, "TEMPERATURE = 1e+308 must be 0.0 (greedy) or a number from 1e-06"),
-        (1.0, VOCAB + 1, 1, f"TOP_K = {VOCAB + 1} must be between 0 (no limit) and the vocabu"),
-        (1.0, -1, 1, "TOP_K = -1 must be between 0"),
-        (0.0, 0, 0, "NUM_BEAMS = 0 must be >= 1"),
-        (0.5, 0, 2, "NUM_BEAMS = 2 (beam search) does not sample, so TEMPERATURE = 0.5"),
-        (0.0, 40, 2, "TOP_K = 40 and TOP_P = 1.0 would be ignored; choose one"),
+        (1.0, VOCAB + 1, 1, f"TOP_K = {VOCAB + 1} must be at most the vocabulary size ({VOCAB})"),
+        (1.0, -1, 1, "TOP_K = -1 must be a whole number >= 0 (0: no limit)"),
+        (0.0, 0, 0, "NUM_BEAMS = 0 must be a whole number from 1 to 16"),
+        (0.5, 0, 2, "NUM_BEAMS = 2 is beam search, which does not sample, so TEMPERATURE"),
+        (0.0, 40, 2, "TOP_K would be ignored; leave TEMPERATURE = 0.0, TOP_K = 0, TOP_P = 1.0"),
     ],
 )
 def test_check_settings_refuses(temperature, top_k, num_beams, message):
     with pytest.raises(UserError, match=re.escape(message)):
-        decoding.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
+        decoding_settings.DecodingSettings(temperature, top_k, num_beams).check(VOCAB)
 
 
 @pytest.mark.parametrize(
     "top_p, num_beams, message",
     [
-        (0.0, 1, "TOP_P = 0.0 must be a number > 0, e.g. 0.9 (1.0: no limit)"),
-        (1.5, 1, "TOP_P = 1.5 must be at most 1.0"),
-        ("most", 1, "TOP_P = 'most' must be a number > 0"),
-        (0.9, 2, "TOP_P = 0.9 would be ignored"),
+        (0.0, 1, "TOP_P = 0.0 must be a number above 0 and at most 1 (1.0: no limit)"),
+        (1.5, 1, "TOP_P = 1.5 must be a number above 0 and at most 1"),
+        ("most", 1, "TOP_P = 'most' must be a number above 0"),
+        (0.9, 2, "does not sample, so TOP_P would be ignored"),
     ],
 )
 def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_beams, message):
-    decoding.DecodingSettings(temperature=0.7, top_p=0.9).check(VOCAB)
+    decoding_settings.DecodingSettings(temperature=0.7, top_p=0.9).check(VOCAB)
     with pytest.raises(UserError, match=re.escape(message)):
-        decoding.DecodingSettings(num_beams=num_beams, top_p=top_p).check(VOCAB)
+        decoding_settings.DecodingSettings(num_beams=num_beams, top_p=top_p).check(VOCAB)
 
 
 @pytest.mark.parametrize(
@@ -106,17 +106,20 @@ def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_
         ({"repetition_penalty": 0.0}, "REPETITION_PENALTY = 0.0 must be a number from 0.001"),
         ({"repetition_penalty": "high"}, "REPETITION_PENALTY = 'high' must be a number from"),
         ({"repetition_penalty": 1e9}, "REPETITION_PENALTY = 1000000000.0 must be a number"),
-        ({"no_repeat_ngram_size": -1}, "NO_REPEAT_NGRAM_SIZE = -1 must be a whole number >= 0"),
-        ({"min_new_tokens": 2.5}, "MIN_NEW_TOKENS = 2.5 must be a whole number >= 0"),
-        ({"num_beams": 2, "min_new_tokens": 3}, "beam search does not take REPETITION_PENALTY"),
-        ({"num_return_sequences": 2}, "NUM_RETURN_SEQUENCES = 2 must be from 1 to NUM_BEAMS (1)"),
-        ({"num_beams": 2, "num_return_sequences": 3}, "NUM_RETURN_SEQUENCES = 3 must be from"),
+        (
+            {"no_repeat_ngram_size": -1},
+            "NO_REPEAT_NGRAM_SIZE = -1 must be a whole number from 0 to 65536",
+        ),
+        ({"min_new_tokens": 2.5}, "MIN_NEW_TOKENS = 2.5 must be a whole number from 0 to 65536"),
+        ({"num_beams": 2, "min_new_tokens": 3}, "takes no penalties, so MIN_NEW_TOKENS would be"),
+        ({"num_return_sequences": 2}, "NUM_RETURN_SEQUENCES = 2 must be at most NUM_BEAMS (1)"),
+        ({"num_beams": 2, "num_return_sequences": 3}, "NUM_RETURN_SEQUENCES = 3 must be at most"),
     ],
 )
 def test_check_settings_refuses_penalties_out_of_range_or_beside_beams(settings, message):
-    decoding.DecodingSettings(repetition_penalty=1.2, no_repeat_ngram_size=3).check(VOCAB)
+    decoding_settings.DecodingSettings(repetition_penalty=1.2, no_repeat_ngram_size=3).check(VOCAB)
     with pytest.raises(UserError, match=re.escape(message)):
-        decoding.DecodingSettings(**settings).check(VOCAB)
+        decoding_settings.DecodingSettings(**settings).check(VOCAB)
 
 
 def test_decoding_macros_are_defined_once_for_eval_and_infer():
@@ -222,7 +225,7 @@ def test_eval_and_train_refuse_a_split_without_its_files(model_dir, tmp_path):
     "flags, message",
     [
         # The rest of DecodingSettings.check is tested above; TOP_K is in test_cli.py.
-        (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "choose one: NUM_BEAMS = 1 to sample"),
+        (["--gin.NUM_BEAMS=3", "--gin.TEMPERATURE=0.5"], "or set NUM_BEAMS = 1"),
         (
             ["--gin.INFER_NUM_EXAMPLES=0"],
             "INFER_NUM_EXAMPLES = 0 must be None or a whole number >= 1",

@@ -27,7 +27,7 @@ from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fix
 from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
-from t5tpu.model import decoding, layers, precision, slot_batch
+from t5tpu.model import decoding, decoding_settings, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, Request
 from t5tpu.model.network import Transformer
@@ -162,8 +162,8 @@ def _engine_program_texts(config, params) -> dict[str, str]:
         max_target_length=4,
         smaller_batches=True,
     )
-    greedy = Request(decoding.DecodingSettings(), 4)
-    beams = Request(decoding.DecodingSettings(num_beams=2), 4)
+    greedy = Request(decoding_settings.DecodingSettings(), 4)
+    beams = Request(decoding_settings.DecodingSettings(num_beams=2), 4)
     texts, p = {}, engine.params
     for count in engine.slot_counts:  # 2 and 8 rows: inserts of 1 and 2
         shape = slot_batch.Shape(count, 16, 4)
@@ -173,7 +173,7 @@ def _engine_program_texts(config, params) -> dict[str, str]:
             np.zeros((size, 16), np.int32),
             np.zeros(size, np.int32),
             np.zeros((size, 2), np.uint32),
-            decoding.row_settings(decoding.DecodingSettings(), size, 4),
+            decoding.row_settings(decoding_settings.DecodingSettings(), size, 4),
         )
         lowered = {
             "insert": programs.insert.lower(p, state, *rows),

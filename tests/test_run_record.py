@@ -14,7 +14,7 @@ from cli_runs import ROOT
 
 from t5tpu.errors import UserError
 from t5tpu.formats import hf_run_record, loader
-from t5tpu.model.decoding import DecodingSettings
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.storage import run_record
 from t5tpu.storage.run_record import InputShaping, RunRecord
 

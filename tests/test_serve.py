@@ -34,8 +34,8 @@ from cli_runs import ROOT, TINY_EXPERIMENT, cli_command, free_port, read_jsonl, 
 from t5tpu.tasks import quora
 
 from t5tpu.model import engine
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.serve import app, batcher, model_worker, server
-from t5tpu.serve.payloads import Decoding
 from t5tpu.storage import run_record
 
 # Inputs of several lengths (so several input buckets), one longer than the tiny experiment's
@@ -231,7 +231,7 @@ def test_predict_gives_what_infer_writes_sampled_whatever_the_batch_mates(
 
 @pytest.mark.slow
 def test_beam_search_and_max_length_decode_as_the_python_api(served, api_model):
-    for parameters in ({"num_beams": 3}, {"max_length": 2}):
+    for parameters in ({"num_beams": 3}, {"max_new_tokens": 2}):
         answer = predict(served.port, INPUTS[:4], parameters)["predictions"]
         assert answer == api_model.predict(INPUTS[:4], **parameters)
 
@@ -306,7 +306,7 @@ def test_new_values_and_lengths_compile_nothing_after_warm_up(served, api_model)
     lowered = _metric(served.port, "t5tpu_serve_programs_lowered")
     parameters = [
         *({"temperature": 0.1 + t / 10, "top_k": t, "top_p": 0.5 + t / 20} for t in range(8)),
-        *({"max_length": n} for n in (1, 2, 3)),
+        *({"max_new_tokens": n} for n in (1, 2, 3)),
         {"repetition_penalty": 1.7, "no_repeat_ngram_size": 1, "min_new_tokens": 2},
     ]
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
@@ -333,7 +333,7 @@ def test_a_new_beam_width_compiles_beside_the_model_thread(served, api_model):
     assert greedy["predictions"] == api_model.predict(INPUTS[:1])
     # Row counts 1 and 4 at the input's bucket: one program each.
     assert _metric(served.port, "t5tpu_serve_programs_lowered") == lowered + 2
-    others = [{"beam_alpha": 0.0}, {"length_penalty": 2.0}, {"max_length": 2}]
+    others = [{"beam_alpha": 0.0}, {"length_penalty": 2.0}, {"max_new_tokens": 2}]
     others.append({"num_return_sequences": 2})
     for parameters in others:
         parameters["num_beams"] = 5
@@ -386,28 +386,34 @@ BAD_REQUESTS = [
         400,
         "length_penalty",
     ),
-    ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"max_length": 5}}, 400, "1 to 4"),
+    (
+        "POST",
+        "/v1/predict",
+        {"instances": ["a"], "parameters": {"max_length": 5}},
+        400,
+        "max_length = 5",
+    ),
     ("POST", "/v1/predict", {"instances": ["a"], "parameters": {"top_k": True}}, 400, "top_k"),
     (
         "POST",
         "/v1/predict",
         {"instances": ["a"], "parameters": {"temperature": -1}},
         400,
-        "0 (greedy)",
+        "0.0 (greedy)",
     ),
     (
         "POST",
         "/v1/predict",
         {"instances": ["a"], "parameters": {"temperature": 1e-320}},
         400,
-        "temperature = 1e-320 must be 0 (greedy) or a number from 1e-06 to 1e+06",
+        "temperature = 1e-320 must be 0.0 (greedy) or a number from 1e-06 to 1e+06",
     ),
     (
         "POST",
         "/v1/predict",
         {"instances": ["a"], "parameters": {"top_p": 0}},
         400,
-        "top_p = 0 must be above 0 and at most 1",
+        "top_p = 0 must be a number above 0 and at most 1",
     ),
     (
         "POST",
@@ -421,7 +427,7 @@ BAD_REQUESTS = [
         "/v1/predict",
         {"instances": ["a"], "parameters": {"repetition_penalty": 0}},
         400,
-        "repetition_penalty = 0 must be a number from 0.001 to 1000 (1: none)",
+        "repetition_penalty = 0 must be a number from 0.001 to 1000 (1.0: none)",
     ),
     (
         "POST",
@@ -435,14 +441,14 @@ BAD_REQUESTS = [
         "/v1/predict",
         {"instances": ["a"], "parameters": {"num_beams": 2, "min_new_tokens": 2}},
         400,
-        "does not take repetition_penalty, no_repeat_ngram_size or min_new_tokens",
+        "takes no penalties, so parameter min_new_tokens would be ignored",
     ),
     (
         "POST",
         "/v1/predict",
         {"instances": ["a"], "parameters": {"num_beams": 2, "num_return_sequences": 3}},
         400,
-        "num_return_sequences=3 must be at most num_beams (2)",
+        "num_return_sequences = 3 must be at most parameter num_beams (2)",
     ),
     (
         "POST",
@@ -505,7 +511,7 @@ def test_each_bad_request_gets_its_4xx_and_the_next_good_one_is_answered(
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
     """The module's last test: it stops the shared server."""
     # Settings never used before: their program compiles while the requests wait.
-    parameters = {"num_beams": 2, "max_length": 3}
+    parameters = {"num_beams": 2, "max_new_tokens": 3}
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         answers = [pool.submit(predict, served.port, INPUTS, parameters) for _ in range(8)]
         time.sleep(1.0)
@@ -583,7 +589,7 @@ class StandInEngine:
     adapter_names = ()
 
     def __init__(self, record=None):
-        self.defaults = Decoding(max_length=4)
+        self.defaults = DecodingSettings(max_new_tokens=4)
         self.answers_as(record)
         self.entered = threading.Event()
         self.gate = threading.Event()
@@ -597,10 +603,9 @@ class StandInEngine:
     def ready(self, group, wake) -> bool:
         return True  # nothing to compile
 
-    def row_settings(self, wanted: Decoding):
+    def row_settings(self, wanted: DecodingSettings):
         """A request's own values, as ModelWorker.row_settings gives them."""
-        settings = wanted.settings()
-        return settings if settings.samples or settings.penalizes else None
+        return wanted if wanted.samples or wanted.penalizes else None
 
     def answers_as(self, record) -> None:
         """Answers as a run of `record` (None: one that records none), as a loaded model's."""

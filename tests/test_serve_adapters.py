@@ -30,8 +30,8 @@ from cli_runs import TINY_EXPERIMENT, succeeded, t5tpu
 import t5tpu as api
 from t5tpu.errors import UserError
 from t5tpu.model import lora
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.serve import app, batcher, model_setup, model_worker, server
-from t5tpu.serve.payloads import Decoding
 
 pytestmark = pytest.mark.slow
 
@@ -199,7 +199,7 @@ def test_health_lists_the_adapters_and_an_unknown_one_is_a_400(served):
 
 
 def test_rows_of_different_adapters_never_share_a_group():
-    settings = Decoding(max_length=4)
+    settings = DecodingSettings(max_new_tokens=4)
     groups = {
         model_worker.Group.for_decoding(settings, 16, adapter) for adapter in (None, "a", "b")
     }

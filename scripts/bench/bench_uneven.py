@@ -95,7 +95,7 @@ def _t5tpu(folder, texts, batch_size, max_length, dtype) -> tuple[float, list[li
 
 
 def _request(max_length):
-    from t5tpu.model.decoding import DecodingSettings
+    from t5tpu.model.decoding_settings import DecodingSettings
     from t5tpu.model.engine import Request
 
     return Request(DecodingSettings(), max_length)

@@ -28,7 +28,7 @@ import numpy as np
 from t5tpu import validators
 from t5tpu.api import streaming
 from t5tpu.errors import UserError
-from t5tpu.model import decoding, layers
+from t5tpu.model import decoding_settings, layers
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.engine import Engine, ListFeed, Request, Row, encode
 from t5tpu.partitioning import Partitioner
@@ -95,7 +95,7 @@ class T5Model:
         self.run_record = record
         self.tasks: tuple[str, ...] = record.tasks if record else ()
         self.input_shaping = record.shaping if record else InputShaping()
-        self.decoding_defaults = record.decoding if record else decoding.DecodingSettings()
+        self.decoding_defaults = record.decoding if record else decoding_settings.DecodingSettings()
         self._has_vocabulary = has_vocabulary
         self.engine = Engine(
             network=model,
@@ -164,32 +164,18 @@ class T5Model:
         min_new_tokens. Each setting left None is the run's (`decoding_defaults`), the length
         the model's max_target_length.
         """
-        request = self._settings(
-            max_length=max_new_tokens,
-            num_beams=num_beams,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=min_new_tokens,
-            beam_alpha=beam_alpha,
-            num_return_sequences=num_return_sequences,
-            length_penalty=length_penalty,
-        )
+        request = self._settings(**_options(locals()))
         return self._generate(_ids_rows(input_ids), request)
 
-    def _settings(self, *, max_length=None, **given):
-        """The Request of a call: each decoding setting given (DecodingSettings' names), else
-        the run's default."""
-        max_length = self.shapes.max_target_length if max_length is None else max_length
-        _COUNT.check("max_length", max_length)
-        settings = dataclasses.replace(
-            self.decoding_defaults, **{k: v for k, v in given.items() if v is not None}
-        )
-        settings.check(self.model.config.vocab_size)
-        return Request(settings, max_length)
+    def _settings(self, **given):
+        """The Request of a call: each decoding option given (decoding_settings' names or
+        aliases; None: the run's default), checked as every front end checks them; the
+        length the model's max_target_length unless max_new_tokens says."""
+        given = {name: value for name, value in given.items() if value is not None}
+        chosen = decoding_settings.given(given, self.decoding_defaults)
+        chosen.check(self.model.config.vocab_size, name=decoding_settings.as_given(given, str))
+        length = chosen.max_new_tokens or self.shapes.max_target_length
+        return Request(dataclasses.replace(chosen, max_new_tokens=None), length)
 
     def _generate(self, rows: list, request: Request, first: int = 0) -> np.ndarray:
         """Decoded ids of `rows`; row i samples with the key of index first + i among all the
@@ -229,6 +215,7 @@ class T5Model:
         temperature: float | None = None,
         top_k: int | None = None,
         top_p: float | None = None,
+        max_new_tokens: int | None = None,
         max_length: int | None = None,
         seed: int | None = None,
         repetition_penalty: float | None = None,
@@ -242,21 +229,8 @@ class T5Model:
         """The model's output text for each input (a list of num_return_sequences, best
         first, with beam search's n best), each input first shaped as the run's task shaped its
         training inputs (`exact_inputs=True`: taken as the model input as it is); see
-        generate_ids for the decoding settings."""
-        settings = self._settings(
-            max_length=max_length,
-            num_beams=num_beams,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            seed=seed,
-            repetition_penalty=repetition_penalty,
-            no_repeat_ngram_size=no_repeat_ngram_size,
-            min_new_tokens=min_new_tokens,
-            beam_alpha=beam_alpha,
-            num_return_sequences=num_return_sequences,
-            length_penalty=length_penalty,
-        )
+        generate_ids for the decoding settings (max_length: max_new_tokens' earlier name)."""
+        settings = self._settings(**_options(locals()))
         rows = self.model_inputs(_texts(inputs), exact_inputs=exact_inputs)
         return self._predict_texts(rows, first=0, settings=settings)
 
@@ -367,11 +341,14 @@ class T5Model:
         return encode(self.vocabulary, text, limit or self.shapes.max_input_length).ids
 
 
-_SETTINGS = (
-    *("num_beams", "temperature", "top_k", "top_p", "max_length", "seed", "exact_inputs"),
-    *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
-    *("beam_alpha", "num_return_sequences", "length_penalty"),
-)
+# What predict_iter, predict_file and the like take: predict's keywords.
+_SETTINGS = (*decoding_settings.NAMES, *decoding_settings.ALIASES, "exact_inputs")
+
+
+def _options(arguments: dict) -> dict:
+    """The decoding options among a method's arguments (its `locals()`)."""
+    names = (*decoding_settings.NAMES, *decoding_settings.ALIASES)
+    return {name: arguments[name] for name in names if name in arguments}
 
 
 def _known(settings: dict) -> dict:

@@ -84,7 +84,7 @@ def hf_score(model, args, batch) -> Workload:
 
 
 def hf_decode(model, args, inputs: np.ndarray, settings) -> Workload:
-    """generate() with its KV cache and the same decoding settings (decoding.DecodingSettings);
+    """generate() with its KV cache and the same decoding settings (DecodingSettings);
     min_new_tokens keeps EOS from ending rows early."""
     import torch
 

@@ -236,7 +236,7 @@ def bench_score(model, args, batch, probes: dict) -> Workload:
 
 def decode_settings(workload: str, args):
     """The decoding settings of a decoding workload."""
-    from t5tpu.model.decoding import DecodingSettings
+    from t5tpu.model.decoding_settings import DecodingSettings
 
     if workload == "beam":
         return DecodingSettings(num_beams=args.num_beams, beam_alpha=args.beam_alpha)

@@ -16,6 +16,7 @@ import dataclasses
 import gin
 
 from t5tpu import validators
+from t5tpu.model import decoding_settings
 from t5tpu.validators import Rule
 
 
@@ -46,6 +47,12 @@ def _count(example: str) -> Limit:
 _OPTIONAL_COUNT = Limit(validators.optional(validators.whole(low=1)), "None")
 # None where a path may be left out (MODEL_DIR: a server given --model); '' or a number never.
 _PATH = validators.optional(validators.path())
+# An example value of each decoding option that has a macro (its name in capitals).
+_DECODING_EXAMPLES = {
+    **{"num_beams": "4", "beam_alpha": "0.6", "length_penalty": "1.0", "temperature": "0.7"},
+    **{"top_k": "40", "top_p": "0.9", "repetition_penalty": "1.2", "seed": "1"},
+    **{"no_repeat_ngram_size": "3", "min_new_tokens": "4", "num_return_sequences": "3"},
+}
 
 LIMITS: dict[str, Limit] = {
     "MODEL_DIR": Limit(_PATH, "\"'/tmp/run'\""),
@@ -70,16 +77,11 @@ LIMITS: dict[str, Limit] = {
     "INFER_NUM_EXAMPLES": _OPTIONAL_COUNT,
     "RANDOM_SEED": _count("0"),
     "DROPOUT_RATE": Limit(validators.number(low=0, below=1), "0.1"),
-    "NUM_BEAMS": _positive("4"),
-    "BEAM_ALPHA": Limit(validators.number(low=0), "0.6"),
-    "LENGTH_PENALTY": Limit(validators.optional(validators.number()), "1.0"),
-    "TEMPERATURE": Limit(validators.number(low=0), "0.0"),
-    "TOP_K": _count("40"),
-    "TOP_P": Limit(validators.number(above=0), "0.9"),
-    "REPETITION_PENALTY": Limit(validators.number(above=0), "1.2"),
-    "NO_REPEAT_NGRAM_SIZE": _count("3"),
-    "MIN_NEW_TOKENS": _count("4"),
-    "NUM_RETURN_SEQUENCES": _positive("3"),
+    # The decoding options' macros take what the options take (decoding_settings.OPTIONS).
+    **{
+        name.upper(): Limit(decoding_settings.OPTIONS[name], example)
+        for name, example in _DECODING_EXAMPLES.items()
+    },
     # None: infer's "the run's" (a run that trains or evaluates still needs them).
     "TASK_FEATURE_LENGTHS": Limit(
         validators.optional(Rule(_lengths, "a dict of feature lengths >= 1")),

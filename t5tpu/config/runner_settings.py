@@ -16,11 +16,10 @@ import gin
 
 from t5tpu import validators
 from t5tpu.config import gin_setup
-from t5tpu.model.decoding import DecodingSettings
+from t5tpu.model import decoding_settings
+from t5tpu.model.decoding_settings import DecodingSettings
 
 T = TypeVar("T")
-# infer's arguments named otherwise than DecodingSettings' fields.
-_INFER_NAMES = {"seed": "random_seed"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,7 +81,7 @@ def infer_decoding(recorded: DecodingSettings | None = None) -> DecodingSettings
     parameters = inspect.signature(gin.get_configurable("infer")).parameters
     values = {}
     for field in dataclasses.fields(DecodingSettings):
-        name = _INFER_NAMES.get(field.name, field.name)
+        name = decoding_settings.GIN_NAMES.get(field.name, field.name)
         if name not in parameters:  # max_new_tokens: infer's lengths are TASK_FEATURE_LENGTHS
             continue
         value = gin_setup.bound_value(f"infer.{name}")

@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding, feature_major, layers, precision, slot_batch
+from t5tpu.model import decoding, decoding_settings, feature_major, layers, precision, slot_batch
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -70,7 +70,7 @@ class Row:
     index: int = 0
     seed: int = 0
     tag: object = None
-    settings: decoding.DecodingSettings | None = None
+    settings: decoding_settings.DecodingSettings | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,7 +92,7 @@ class Decoded:
 class Request:
     """What to decode with: how tokens are picked, and the most tokens a row may take."""
 
-    settings: decoding.DecodingSettings
+    settings: decoding_settings.DecodingSettings
     max_length: int
 
     @property

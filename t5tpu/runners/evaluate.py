@@ -20,7 +20,7 @@ from jax.experimental import multihost_utils
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import availability
-from t5tpu.model import decoding, param_shapes
+from t5tpu.model import decoding_settings, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import results_dir, run_lengths, train
@@ -165,7 +165,7 @@ def evaluate(
     Results go to `output_dir` (EVAL_OUTPUT_DIR), else MODEL_DIR. Returns {step: metrics}."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
-    (settings := decoding.of_arguments(locals())).check(model.config.vocab_size)
+    (settings := decoding_settings.of_arguments(locals())).check(model.config.vocab_size)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
     registry.get_task(mixture_or_task_name, mixture_or_task_module)
     availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")

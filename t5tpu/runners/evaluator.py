@@ -24,7 +24,7 @@ from etils import epath
 
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
-from t5tpu.model import decoding, engine
+from t5tpu.model import decoding_settings, engine
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import example_progress
@@ -81,7 +81,7 @@ class TaskEvaluator:
         param_shardings,
         model_dir: str,
         num_examples: int | None = None,
-        settings: decoding.DecodingSettings,
+        settings: decoding_settings.DecodingSettings,
         output_dir: str | None = None,
     ):
         """Results go to `output_dir` (EVAL_OUTPUT_DIR), laid out as MODEL_DIR, or else to

@@ -27,7 +27,7 @@ from jax.experimental import multihost_utils
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
-from t5tpu.model import decoding, engine, param_shapes
+from t5tpu.model import decoding_settings, engine, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import (
@@ -163,7 +163,7 @@ class _Decoder:
         model: EncoderDecoderModel,
         partitioner: Partitioner,
         param_shardings,
-        settings: decoding.DecodingSettings,
+        settings: decoding_settings.DecodingSettings,
         lengths: tuple[int, int],
         batch_size: int,
     ):
@@ -234,7 +234,7 @@ class _Decoder:
 
 
 def _check_settings(
-    settings: decoding.DecodingSettings,
+    settings: decoding_settings.DecodingSettings,
     model: EncoderDecoderModel,
     num_examples: int | None,
     truncation: str,
@@ -285,7 +285,7 @@ class _Run:
     inputs: _Inputs
     decoder: _Decoder
     assignment: infer_chunks.Assignment
-    settings: decoding.DecodingSettings
+    settings: decoding_settings.DecodingSettings
     num_examples: int | None
     output_dir: str  # INFER_OUTPUT_DIR, else MODEL_DIR
 
@@ -455,7 +455,7 @@ def infer(
     chunks, into `output_dir` (else MODEL_DIR), texts shaped as the run's (_Inputs)."""
     partitioner = partitioner or Partitioner()
     partitioner.check_batch_size("INFER_BATCH_SIZE", batch_size)
-    settings = decoding.of_arguments(locals())
+    settings = decoding_settings.of_arguments(locals())
     assignment = infer_chunks.Assignment(chunk_size, shard_id, num_shards)
     _check_settings(settings, model, num_examples, truncation, assignment, exact_inputs)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "INFER_OUTPUT_DIR")

@@ -13,7 +13,7 @@ from collections.abc import Iterable, Iterator
 
 from etils import epath
 
-from t5tpu.model import decoding
+from t5tpu.model import decoding_settings
 from t5tpu.runners import infer_inputs
 from t5tpu.storage import user_files
 
@@ -25,7 +25,7 @@ def file_name(
     source: str,
     step: int,
     num_examples: int | None,
-    settings: decoding.DecodingSettings,
+    settings: decoding_settings.DecodingSettings,
     exact_inputs: bool = False,
 ) -> str:
     """<source>-<step>[-first<N>][-exact][-beam<B>-alpha<A>[-n<N>] | -temp<T>[-top<K>][-topp<P>]
@@ -106,7 +106,7 @@ def predictions_path(
     step: int,
     *,
     num_examples: int | None,
-    settings: decoding.DecodingSettings,
+    settings: decoding_settings.DecodingSettings,
     inputs: Iterable[str],
     exact_inputs: bool = False,
 ) -> str:

@@ -42,7 +42,7 @@ from jax.experimental import multihost_utils
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.data import availability, pipeline
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
+from t5tpu.model import decoding_settings
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import lora_run
@@ -347,7 +347,7 @@ def _evaluator(
         param_shardings=setup.eval_shardings,
         model_dir=model_dir,
         num_examples=evals.num_examples,
-        settings=decoding.DecodingSettings(),
+        settings=decoding_settings.DecodingSettings(),
     )
     return lambda params, step: evaluator(setup.eval_params(params), step)
 

@@ -2,7 +2,7 @@
 batcher and wait for them, answering every failure as {"error": "<one line>"} with its status.
 
     POST /v1/predict (and AIP_PREDICT_ROUTE)  {"instances": ["..."] or [{"input": "..."}],
-                                               "parameters": {num_beams, max_length,
+                                               "parameters": {num_beams, max_new_tokens,
                                                temperature, top_k, top_p, seed, the
                                                penalties, task, exact_inputs, adapter,
                                                stream (server-sent events: streams.py)}}
@@ -39,12 +39,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route as Path
 
 from t5tpu.errors import one_line_message
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.model.engine import Row
 from t5tpu.serve import payloads, streams
 from t5tpu.serve.batcher import Batcher, BatchFailed, QueueFull, Stopped
 from t5tpu.serve.http_guard import Guard, GuardOptions
 from t5tpu.serve.model_worker import Group, ModelWorker, ScoreRow
-from t5tpu.serve.payloads import Decoding, PayloadError
+from t5tpu.serve.payloads import PayloadError
 from t5tpu.serve.serve_metrics import CLIENT_GONE, CONTENT_TYPE, MetricsMiddleware, ServeMetrics
 from t5tpu.serve.task_calls import TaskRoutes
 from t5tpu.tasks.serving import INPUT, Route
@@ -166,7 +167,7 @@ class Service:
         warnings: list[str] = []
         limits = {
             "input": worker.runs.input_length(request.adapter),
-            "target": worker.runs.defaults(request.adapter).max_length,
+            "target": worker.runs.defaults(request.adapter).max_new_tokens,
         }
         inputs, targets = (
             self._encoded(texts, limit=limits[what], what=what, first=0, warnings=warnings)
@@ -275,7 +276,7 @@ class Service:
 
 
 def _decode_rows(
-    worker: ModelWorker, encoded: list, decoding: Decoding, adapter: str | None
+    worker: ModelWorker, encoded: list, decoding: DecodingSettings, adapter: str | None
 ) -> list:
     """(group, row) pairs of inputs to decode; row i samples from its index i, with the
     request's own values (its group's batches hold rows of any)."""

@@ -23,11 +23,10 @@ from collections.abc import Callable
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
 from t5tpu.errors import UserError
-from t5tpu.model import decoding
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.runners import run_lengths
 from t5tpu.serve import lora_adapters
 from t5tpu.serve.model_worker import Answering, ModelWorker, Runs
-from t5tpu.serve.payloads import Decoding
 from t5tpu.storage import locations
 from t5tpu.storage.run_record import RunRecord
 
@@ -50,7 +49,7 @@ class ModelSetup:
     gin: GinFlags
     max_input_length: int
     max_target_length: int
-    defaults: Decoding
+    defaults: DecodingSettings
     truncation: str
     adapters: tuple[lora_adapters.AdapterCheckpoint, ...] = ()
     # How the model (None) and each adapter answer: its run's record, lengths and defaults.
@@ -125,14 +124,14 @@ def model_setup(
         gin=gin_flags,
         # The engine's: the longest any of them takes.
         max_input_length=max(a.input_length for a in answering.values()),
-        max_target_length=max(a.defaults.max_length for a in answering.values()),
+        max_target_length=max(a.defaults.max_new_tokens for a in answering.values()),
         defaults=answering[None].defaults,
         truncation=truncation or bound.truncation,
         adapters=opened,
         answering=answering,
     )
     validators.choice(runner_settings.TRUNCATION).check("INFER_TRUNCATION", setup.truncation)
-    _decoding_settings(setup).check(vocab_size=sys.maxsize)  # top_k is checked once loaded
+    setup.defaults.check(vocab_size=sys.maxsize)  # top_k is checked once loaded
     if opened:
         from t5tpu.formats import loader
 
@@ -165,16 +164,11 @@ def _lengths(flags, told, record, say) -> tuple[int, int]:
     )
 
 
-def _defaults(record: RunRecord | None, target_length: int) -> Decoding:
+def _defaults(record: RunRecord | None, target_length: int) -> DecodingSettings:
     """Each decoding default from the gin files where they bind it, else from the run."""
     settings = runner_settings.infer_decoding(record.decoding if record else None)
     # n-best only when a request asks: a default of several would make every answer a list.
-    settings = dataclasses.replace(settings, num_return_sequences=1)
-    return Decoding.of(settings, max_length=target_length)
-
-
-def _decoding_settings(setup: ModelSetup) -> decoding.DecodingSettings:
-    return setup.defaults.settings()
+    return dataclasses.replace(settings, num_return_sequences=1, max_new_tokens=target_length)
 
 
 def load_worker(
@@ -196,7 +190,7 @@ def load_worker(
         partitioner=partitioner,
     )
     model.vocabulary  # noqa: B018 - a model without one cannot take text: say so now
-    _decoding_settings(setup).check(vocab_size=model.model.config.vocab_size)
+    setup.defaults.check(vocab_size=model.model.config.vocab_size)
     say(f"loaded {model!r}")
     served = lora_adapters.load_adapters(setup.adapters, base=model, partitioner=partitioner)
     if served:

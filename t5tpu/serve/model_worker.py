@@ -26,11 +26,10 @@ from collections.abc import Callable
 
 from t5tpu.api import streaming
 from t5tpu.api.model import T5Model
-from t5tpu.model import decoding
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.model.engine import Encoded, Engine, Request, Row
 from t5tpu.serve.batcher import GroupFeed
 from t5tpu.serve.lora_adapters import ServedAdapters
-from t5tpu.serve.payloads import Decoding
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.tasks import shaping
 
@@ -61,21 +60,27 @@ class Group:
 
     kind: str
     length: int
-    decoding: Decoding | None = None
+    decoding: DecodingSettings | None = None
     adapter: str | None = None
     streams: bool = False
 
     @classmethod
     def for_decoding(
-        cls, settings: Decoding, length: int, adapter: str | None = None, streams: bool = False
+        cls,
+        settings: DecodingSettings,
+        length: int,
+        adapter: str | None = None,
+        streams: bool = False,
     ) -> Group:
         # The seed only picks row keys, and the values are each row's (engine.Row's
         # `settings`): rows of every seed, temperature, top_k, top_p, penalty and length share
-        # a batch (ModelWorker._request; max_length 0: each row's), as beam search's rows of
+        # a batch (ModelWorker._request; max_new_tokens None: each row's), as beam search's rows of
         # one width do whatever their length penalty, length and num_return_sequences.
         values = _VALUES if settings.num_beams == 1 else {"num_return_sequences": 1}
         values = {**values, "length_penalty": None}
-        settings = dataclasses.replace(settings, **values, beam_alpha=0.6, max_length=0, seed=0)
+        settings = dataclasses.replace(
+            settings, **values, beam_alpha=0.6, max_new_tokens=None, seed=0
+        )
         return cls("decode", length, settings, adapter, streams)
 
     @classmethod
@@ -107,11 +112,11 @@ class _QueuedRows:
 class Answering:
     """How one served model (the base, or an adapter) answers: as its run trained it (`record`;
     None: one that records none), its inputs cut to `input_length`, decoded with `defaults`
-    (max_length: its target length) unless a request says otherwise."""
+    (max_new_tokens: its target length) unless a request says otherwise."""
 
     record: RunRecord | None
     input_length: int
-    defaults: Decoding
+    defaults: DecodingSettings
 
 
 class Runs:
@@ -137,7 +142,7 @@ class Runs:
     def input_length(self, adapter: str | None) -> int:
         return self._answering[adapter].input_length
 
-    def defaults(self, adapter: str | None) -> Decoding:
+    def defaults(self, adapter: str | None) -> DecodingSettings:
         return self._answering[adapter].defaults
 
 
@@ -161,7 +166,7 @@ class ModelWorker:
         *,
         model: T5Model,
         max_batch_size: int,
-        defaults: Decoding,
+        defaults: DecodingSettings,
         adapters: ServedAdapters | None = None,
         runs: Runs | None = None,
     ):
@@ -280,17 +285,16 @@ class ModelWorker:
             for text, score in zip(texts, decoded.scores, strict=True)
         ]
 
-    def row_settings(self, wanted: Decoding) -> decoding.DecodingSettings | None:
+    def row_settings(self, wanted: DecodingSettings) -> DecodingSettings | None:
         """A request's own values, which its rows carry (None: the group's do)."""
         settings = self._request(wanted).settings
-        shorter = wanted.max_length < self.max_target_length
         own = settings.samples or settings.penalizes or settings.num_beams > 1
-        return settings if own or shorter else None
+        return settings if own or settings.max_new_tokens is not None else None
 
-    def _request(self, wanted: Decoding) -> Request:
-        """Programs decode up to the longest output served; a row stops at its own max_length
-        (a value, so no length compiles programs of its own)."""
-        settings = wanted.settings()
+    def _request(self, wanted: DecodingSettings) -> Request:
+        """Programs decode up to the longest output served; a row stops at its own
+        max_new_tokens (a value, so no length compiles programs of its own)."""
         served = self.max_target_length
-        own = wanted.max_length if 0 < wanted.max_length < served else None  # 0: a group's
-        return Request(dataclasses.replace(settings, max_new_tokens=own), served)
+        own = wanted.max_new_tokens
+        own = own if own is not None and own < served else None  # None: a group's
+        return Request(dataclasses.replace(wanted, max_new_tokens=own), served)

@@ -15,18 +15,13 @@ import json
 from collections.abc import Callable, Sequence
 
 from t5tpu import validators
-from t5tpu.model.decoding import LENGTH_PENALTIES, PENALTIES, TEMPERATURES, DecodingSettings
+from t5tpu.errors import UserError
+from t5tpu.model import decoding_settings
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.tasks.serving import Field, Route
 
-# Beam search holds num_beams hypotheses per row: a bound keeps one request from asking for a
-# batch many times the compiled one.
-MAX_NUM_BEAMS = 16
-_MAX_SEED = 2**31 - 1
-DECODING_PARAMETERS = (
-    *("num_beams", "max_length", "temperature", "top_k", "top_p", "seed"),
-    *("repetition_penalty", "no_repeat_ngram_size", "min_new_tokens"),
-    *("beam_alpha", "num_return_sequences", "length_penalty"),
-)
+# Every option of DecodingSettings by its name, and the earlier names it still takes.
+DECODING_PARAMETERS = (*decoding_settings.NAMES, *decoding_settings.ALIASES)
 # The parameter naming the task whose route a request uses.
 TASK = "task"
 # The parameter naming the LoRA adapter a request runs with (a server started with --adapter).
@@ -47,38 +42,6 @@ class PayloadError(Exception):
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)
         self.status = status
-
-
-@dataclasses.dataclass(frozen=True)
-class Decoding:
-    """How a request's rows are decoded. Rows whose settings are equal but for the seed share a
-    batch: each row samples from a key of its own (the seed folded with its index in its
-    request), so a sample never depends on its batch mates."""
-
-    num_beams: int = 1
-    max_length: int = 128
-    temperature: float = 0.0
-    top_k: int = 0
-    seed: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    min_new_tokens: int = 0
-    beam_alpha: float = 0.6
-    num_return_sequences: int = 1
-    length_penalty: float | None = None
-
-    def settings(self) -> DecodingSettings:
-        """The engine's settings for these, the length limit a row's own (max_new_tokens)."""
-        values = dataclasses.asdict(self)
-        length = values.pop("max_length")
-        return DecodingSettings(**values, max_new_tokens=length)
-
-    @classmethod
-    def of(cls, settings: DecodingSettings, *, max_length: int) -> Decoding:
-        values = dataclasses.asdict(settings)
-        del values["max_new_tokens"]
-        return cls(**values, max_length=max_length)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,7 +67,7 @@ class PredictRequest:
 
     texts: tuple[str, ...]
     objects: bool
-    decoding: Decoding
+    decoding: DecodingSettings
     task: str | None = None
     adapter: str | None = None
     exact_inputs: bool = False
@@ -130,7 +93,7 @@ class TaskRequest:
 
     route: Route
     instances: tuple[dict, ...]
-    decoding: Decoding
+    decoding: DecodingSettings
     adapter: str | None = None
     exact_inputs: bool = False
 
@@ -247,107 +210,25 @@ def _parameters(payload: dict, allowed: tuple[str, ...]) -> dict:
     return parameters
 
 
-def _whole(parameters: dict, name: str, low: int, high: int, default: int) -> int:
-    value = parameters.get(name, default)
-    rule = validators.whole(low, high)
-    if not rule.accepts(value):
-        raise PayloadError(rule.message(f"parameter {name}", value, shown=json.dumps))
-    return value
-
-
-def _temperature(parameters: dict, default: float) -> float:
-    """0 (greedy) or a temperature float32 programs divide by safely (decoding.TEMPERATURES)."""
-    value = parameters.get("temperature", default)
-    low, high = TEMPERATURES
-    if not (validators.is_number(value) and (value == 0 or low <= value <= high)):
-        raise PayloadError(
-            f"parameter temperature = {json.dumps(value)} must be 0 (greedy) or a number from "
-            f"{low:g} to {high:g} (sampling)"
+def _decoding(parameters: dict, defaults: DecodingSettings, limits: Limits) -> DecodingSettings:
+    """The request's settings: `defaults` with the options it gives, checked as every front end
+    checks them (decoding_settings), its length within the longest output served."""
+    try:
+        chosen = decoding_settings.given(parameters, defaults)
+        chosen.check(
+            limits.vocab_size,
+            longest=limits.max_length,
+            name=decoding_settings.as_given(parameters, lambda option: f"parameter {option}"),
+            shown=json.dumps,
         )
-    return float(value)
+    except UserError as e:
+        raise PayloadError(str(e)) from None
+    return chosen
 
 
-def _top_p(parameters: dict, default: float) -> float:
-    value = parameters.get("top_p", default)
-    if not (validators.is_number(value) and 0 < value <= 1):
-        raise PayloadError(f"parameter top_p = {json.dumps(value)} must be above 0 and at most 1")
-    return float(value)
-
-
-def _decoding(parameters: dict, defaults: Decoding, limits: Limits) -> Decoding:
-    decoding = Decoding(
-        num_beams=_whole(parameters, "num_beams", 1, MAX_NUM_BEAMS, defaults.num_beams),
-        max_length=_whole(parameters, "max_length", 1, limits.max_length, defaults.max_length),
-        temperature=_temperature(parameters, defaults.temperature),
-        top_k=_whole(parameters, "top_k", 0, limits.vocab_size, defaults.top_k),
-        top_p=_top_p(parameters, defaults.top_p),
-        seed=_whole(parameters, "seed", 0, _MAX_SEED, defaults.seed),
-        repetition_penalty=_repetition_penalty(parameters, defaults.repetition_penalty),
-        no_repeat_ngram_size=_whole(
-            parameters, "no_repeat_ngram_size", 0, limits.max_length, defaults.no_repeat_ngram_size
-        ),
-        min_new_tokens=_whole(
-            parameters, "min_new_tokens", 0, limits.max_length, defaults.min_new_tokens
-        ),
-        beam_alpha=_beam_alpha(parameters, defaults.beam_alpha),
-        num_return_sequences=_whole(
-            parameters, "num_return_sequences", 1, MAX_NUM_BEAMS, defaults.num_return_sequences
-        ),
-        length_penalty=_length_penalty(parameters, defaults.length_penalty),
-    )
-    if decoding.num_return_sequences > max(decoding.num_beams, 1):
-        raise PayloadError(
-            f"num_return_sequences={decoding.num_return_sequences} must be at most num_beams "
-            f"({decoding.num_beams}): it returns beam search's n best"
-        )
-    samples = decoding.temperature > 0 or decoding.top_k > 0 or decoding.top_p < 1
-    if decoding.num_beams > 1 and samples:
-        raise PayloadError(
-            f"num_beams={decoding.num_beams} is beam search, which does not sample: send "
-            "temperature 0, top_k 0 and top_p 1 with it, or num_beams 1 to sample"
-        )
-    penalizes = decoding.repetition_penalty != 1 or decoding.no_repeat_ngram_size > 0
-    if decoding.num_beams > 1 and (penalizes or decoding.min_new_tokens > 0):
-        raise PayloadError(
-            f"num_beams={decoding.num_beams} is beam search, which does not take "
-            "repetition_penalty, no_repeat_ngram_size or min_new_tokens: leave them out, or "
-            "send num_beams 1"
-        )
-    return decoding
-
-
-def _one_answer(decoding: Decoding, where: str) -> None:
+def _one_answer(decoding: DecodingSettings, where: str) -> None:
     if decoding.num_return_sequences > 1:
         raise PayloadError(f"{where} gives one answer an instance: leave out num_return_sequences")
-
-
-def _beam_alpha(parameters: dict, default: float) -> float:
-    value = parameters.get("beam_alpha", default)
-    if not (validators.is_number(value) and 0 <= value <= 10):
-        raise PayloadError(f"parameter beam_alpha = {json.dumps(value)} must be from 0 to 10")
-    return float(value)
-
-
-def _length_penalty(parameters: dict, default: float | None) -> float | None:
-    value = parameters.get("length_penalty", default)
-    low, high = LENGTH_PENALTIES
-    if value is not None and not (validators.is_number(value) and low <= value <= high):
-        raise PayloadError(
-            f"parameter length_penalty = {json.dumps(value)} must be null (T5X's beam_alpha) or "
-            f"a number from {low:g} to {high:g} (Hugging Face's exponent)"
-        )
-    return None if value is None else float(value)
-
-
-def _repetition_penalty(parameters: dict, default: float) -> float:
-    value = parameters.get("repetition_penalty", default)
-    low, high = PENALTIES
-    if not (validators.is_number(value) and low <= value <= high):
-        raise PayloadError(
-            f"parameter repetition_penalty = {json.dumps(value)} must be a number from {low:g} "
-            f"to {high:g} (1: none)"
-        )
-    return float(value)
 
 
 def _flag(parameters: dict, name: str, default: bool) -> bool:
@@ -376,7 +257,7 @@ def _adapter(parameters: dict, limits: Limits) -> str | None:
 
 
 def predict_request(
-    payload: dict, *, defaults: Callable[[str | None], Decoding], limits: Limits
+    payload: dict, *, defaults: Callable[[str | None], DecodingSettings], limits: Limits
 ) -> PredictRequest:
     """/v1/predict's request: strings, or {"input": ...} objects (all of one kind); `defaults`
     gives the decoding defaults of the model or the adapter the request names."""
@@ -451,7 +332,7 @@ def task_request(
     offers: Sequence[Route],
     payload: dict,
     *,
-    defaults: Callable[[str | None], Decoding],
+    defaults: Callable[[str | None], DecodingSettings],
     limits: Limits,
     model_tasks: Callable[[str | None], tuple[str, ...]],
 ) -> TaskRequest:
@@ -475,7 +356,7 @@ def task_request(
         raise PayloadError(f'{problem}; send "parameters": {{"{CHECK_TASK}": false}} to ask it')
     exact = _flag(parameters, EXACT_INPUTS, False)
     if route.decoding is not None:
-        decoding = dataclasses.replace(defaults(adapter), **route.decoding)
+        decoding = decoding_settings.given(route.decoding, defaults(adapter))
     else:
         decoding = _decoding(parameters, defaults(adapter), limits)
     _one_answer(decoding, f"/v1/{route.name}")

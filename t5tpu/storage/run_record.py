@@ -14,7 +14,7 @@ import dataclasses
 
 from t5tpu import validators
 from t5tpu.errors import UserError
-from t5tpu.model.decoding import DecodingSettings
+from t5tpu.model.decoding_settings import DecodingSettings
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
 
