@@ -245,10 +245,10 @@ def test_every_named_doc_section_is_a_heading():
                 assert any(h.startswith(section) for h in headings), (str(path), doc, section)
 
 
-DOCS_LIMIT = 100_000
+DOCS_LIMIT = 110_000
 
 
-def test_the_docs_stay_under_100_kb():
+def test_the_docs_stay_under_110_kb():
     sizes = {p.name: p.stat().st_size for p in DOCS.glob("*.md")}
     assert sum(sizes.values()) <= DOCS_LIMIT, f"docs/*.md: {sum(sizes.values())} bytes, {sizes}"
 
