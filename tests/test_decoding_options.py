@@ -72,7 +72,7 @@ BAD = [
     ("repetition_penalty", 0.0, "must be a number from 0.001 to 1000"),
     ("length_penalty", 11.0, "must be None or a number from -10 to 10"),
     ("seed", -1, "must be a whole number from 0 to 2147483647"),
-    ("num_return_sequences", 2, "must be at most"),
+    ("num_return_sequences", 2, "must be at most 1 with greedy decoding"),
     ("top_k", 10**6, "must be at most the vocabulary size"),
 ]
 

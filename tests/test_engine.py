@@ -4,6 +4,8 @@ finish leave the batch and waiting rows take their slots."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax
 import jax
 import numpy as np
@@ -41,7 +43,7 @@ def _engine(tiny, batch_size: int, smaller_batches: bool = False) -> engine.Engi
     model, params, shardings, partitioner, _ = tiny
     return engine.Engine(
         smaller_batches=smaller_batches,
-        network=model,
+        model=model,
         params=params,
         param_shardings=shardings,
         partitioner=partitioner,
@@ -93,6 +95,28 @@ def test_rows_that_finish_leave_and_every_row_decodes_as_alone(tiny, settings, m
     assert len({_length(row) for row in got}) >= 4, "outputs should end at uneven lengths"
     # 13 rows through 4 slots: some joined a batch whose other rows were still decoding.
     assert sum(inserted) == 13 and len([n for n in inserted if n]) > 4
+
+
+def test_several_samples_of_a_row_are_those_of_its_copies_best_first(tiny):
+    """num_return_sequences with sampling: sample j of row i is what a row of index i * n + j
+    draws alone, the samples ranked by the model's log-likelihood, which the scores are."""
+    n, rows = 3, tiny[4][:5]
+    settings = decoding_settings.DecodingSettings(temperature=1.0, top_k=50, seed=4)
+    server = _engine(tiny, batch_size=4)
+    several = dataclasses.replace(settings, num_return_sequences=n)
+    got = server.decoded(rows, engine.Request(several, MAX_LENGTH), first=2)
+    copies = [ids for ids in rows for _ in range(n)]
+    alone = server.generate(copies, engine.Request(settings, MAX_LENGTH), first=2 * n)
+    for i, decoded in enumerate(got):
+        assert decoded.sequences.shape == (n, MAX_LENGTH)
+        assert sorted(map(tuple, decoded.sequences)) == sorted(
+            map(tuple, alone[i * n : (i + 1) * n])
+        )
+        np.testing.assert_array_equal(decoded.ids, decoded.sequences[0])
+        assert list(decoded.scores) == sorted(decoded.scores, reverse=True)
+        targets = [tuple(ids[: _length(ids)]) for ids in decoded.sequences]
+        np.testing.assert_allclose(decoded.scores, server.score([rows[i]] * n, targets), rtol=1e-6)
+    assert len({tuple(s) for d in got for s in d.sequences}) > len(rows)  # samples differ
 
 
 def test_a_server_batch_that_rows_outgrow_leaves_them_to_a_larger_one(tiny, monkeypatch):

@@ -28,14 +28,14 @@ class _WholeBatchEvaluator(TaskEvaluator):
     def _decode(self, ds, *, step):
         import jax
 
-        network, length = self._engine.network, self.request.max_length
+        network, length = self._engine.model, self.request.max_length
         predict = jax.jit(lambda p, t: reference_decoding.predict(network, p, t, length))
         return self._whole_batches(ds, lambda params, batch: predict(params, batch["inputs"]))
 
     def _score(self, ds, *, step):
         import jax
 
-        score = jax.jit(self._engine.network.score)
+        score = jax.jit(self._engine.model.score)
 
         def scores(params, batch):
             targets = batch["targets"]

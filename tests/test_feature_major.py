@@ -77,7 +77,7 @@ def _engine(config, params, batch_size: int) -> Engine:
     partitioner = Partitioner()
     shardings = jax.tree_util.tree_map(lambda _: partitioner.replicated(), params)
     return Engine(
-        network=model,
+        model=model,
         params=jax.device_put(params, shardings),
         param_shardings=shardings,
         partitioner=partitioner,

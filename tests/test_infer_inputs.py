@@ -112,7 +112,7 @@ def test_check_settings_refuses_a_top_p_out_of_range_or_beside_beams(top_p, num_
         ),
         ({"min_new_tokens": 2.5}, "MIN_NEW_TOKENS = 2.5 must be a whole number from 0 to 65536"),
         ({"num_beams": 2, "min_new_tokens": 3}, "takes no penalties, so MIN_NEW_TOKENS would be"),
-        ({"num_return_sequences": 2}, "NUM_RETURN_SEQUENCES = 2 must be at most NUM_BEAMS (1)"),
+        ({"num_return_sequences": 2}, "NUM_RETURN_SEQUENCES = 2 must be at most 1 with greedy"),
         ({"num_beams": 2, "num_return_sequences": 3}, "NUM_RETURN_SEQUENCES = 3 must be at most"),
     ],
 )

@@ -153,7 +153,7 @@ def _engine_program_texts(config, params) -> dict[str, str]:
     partitioner = Partitioner()
     shardings = jax.tree_util.tree_map(lambda _: partitioner.replicated(), params)
     engine = Engine(
-        network=model,
+        model=model,
         params=params,
         param_shardings=shardings,
         partitioner=partitioner,

@@ -56,7 +56,7 @@ def test_tiny_umt5_trains_evaluates_infers_and_answers_through_the_api(trained, 
         for stack in ("decoder", "encoder")
         for i in (0, 1)
     ]
-    assert model.model.config.relative_bias_per_layer
+    assert model.config.relative_bias_per_layer
     assert len(rows) == 8
     inputs = [row["input"] for row in rows]
     assert model.predict(inputs, exact_inputs=True) == [row["prediction"] for row in rows]

@@ -134,7 +134,7 @@ def profile(model, slots: int, steps: int) -> dict:
     shares = {part: round(seconds / total, 3) for part, seconds in parts.most_common()}
     return {
         "slots": slots,
-        "dtype": model.engine.network.config.dtype,
+        "dtype": model.engine.model.config.dtype,
         "step_ms": round(step_ms, 2),
         "op_events_per_step": round(sum(counts.values()) / steps),
         "share": shares,

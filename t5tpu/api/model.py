@@ -98,7 +98,7 @@ class T5Model:
         self.decoding_defaults = record.decoding if record else decoding_settings.DecodingSettings()
         self._has_vocabulary = has_vocabulary
         self.engine = Engine(
-            network=model,
+            model=model,
             params=params,
             param_shardings=param_shardings,
             partitioner=partitioner,
@@ -106,6 +106,12 @@ class T5Model:
             max_input_length=shapes.max_input_length,
             max_target_length=shapes.max_target_length,
         )
+
+    @property
+    def config(self):
+        """The network's T5Config (the `model`'s, an EncoderDecoderModel, which the engine
+        runs)."""
+        return self.model.config
 
     @property
     def params(self):
@@ -173,7 +179,7 @@ class T5Model:
         length the model's max_target_length unless max_new_tokens says."""
         given = {name: value for name, value in given.items() if value is not None}
         chosen = decoding_settings.given(given, self.decoding_defaults)
-        chosen.check(self.model.config.vocab_size, name=decoding_settings.as_given(given, str))
+        chosen.check(self.config.vocab_size, name=decoding_settings.as_given(given, str))
         length = chosen.max_new_tokens or self.shapes.max_target_length
         return Request(dataclasses.replace(chosen, max_new_tokens=None), length)
 

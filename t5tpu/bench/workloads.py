@@ -191,7 +191,7 @@ def _engine(model, args, batch_size: int, target_length: int):
     partitioner = Partitioner()
     _, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     return engine.Engine(
-        network=model,
+        model=model,
         params=_random_params(model, args),
         param_shardings=shardings,
         partitioner=partitioner,

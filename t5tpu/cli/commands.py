@@ -197,7 +197,7 @@ INFER = GinCommand(
         Macro("REPETITION_PENALTY", "1.0", "above 1: tokens decoded already less likely"),
         Macro("NO_REPEAT_NGRAM_SIZE", "0", "n: no n-gram decoded twice (0: off)"),
         Macro("MIN_NEW_TOKENS", "0", "end-of-sequence forbidden before this many tokens"),
-        Macro("NUM_RETURN_SEQUENCES", "1", "beam search's n best per input, with scores"),
+        Macro("NUM_RETURN_SEQUENCES", "1", "beam search's n best (or n samples) per input, scored"),
         Macro("SEED", "0", "sampling's seed (infer.random_seed); each input draws its own key"),
         *_BEAMS,
     ),

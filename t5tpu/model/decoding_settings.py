@@ -44,8 +44,8 @@ class DecodingSettings:
     Face's length_penalty where that is set). Greedy and sampling also take Hugging Face's
     repetition_penalty, no_repeat_ngram_size and min_new_tokens, applied before the
     temperature as its logits processors are; beam search returns its num_return_sequences
-    best. `seed` feeds sampling only. Greedy's and sampling's values are each row's own inputs
-    of the programs: one program decodes rows of any."""
+    best, sampling as many samples. `seed` feeds sampling only. Greedy's and sampling's
+    values are each row's own inputs of the programs: one program decodes rows of any."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -91,16 +91,24 @@ class DecodingSettings:
             value = getattr(self, option)
             if not rule.accepts(value):
                 raise UserError(rule.message(name(option), value, shown=shown))
-        bounds = {"top_k": vocab_size, "num_return_sequences": self.num_beams}
-        bounds["max_new_tokens"] = longest
-        why = {"top_k": "the vocabulary size", "num_return_sequences": name("num_beams")}
-        why["max_new_tokens"] = "the longest output the model decodes"
+        bounds = {"top_k": vocab_size, "max_new_tokens": longest}
+        why = {
+            "top_k": f"the vocabulary size ({vocab_size})",
+            "max_new_tokens": f"the longest output decoded ({longest})",
+        }
+        if self.num_beams > 1:  # n best of the beams; with sampling, n samples
+            bounds["num_return_sequences"] = self.num_beams
+            why["num_return_sequences"] = f"{name('num_beams')} ({self.num_beams})"
+        elif not self.samples:
+            bounds["num_return_sequences"] = 1
+            why["num_return_sequences"] = (
+                f"1 with greedy decoding, which has one answer; set {name('temperature')} "
+                f"above 0 for samples, or {name('num_beams')} above 1 for the n best"
+            )
         for option, bound in bounds.items():
             value = getattr(self, option)
             if bound is not None and value is not None and value > bound:
-                raise UserError(
-                    f"{name(option)} = {shown(value)} must be at most {why[option]} ({bound})"
-                )
+                raise UserError(f"{name(option)} = {shown(value)} must be at most {why[option]}")
         if self.num_beams > 1:
             self._check_beam(name=name)
 
@@ -144,7 +152,9 @@ OPTIONS: Mapping[str, validators.Rule] = {
     ),
     "no_repeat_ngram_size": _explained(validators.whole(0, MAX_TOKENS), "0: off"),
     "min_new_tokens": validators.whole(0, MAX_TOKENS),
-    "num_return_sequences": _explained(validators.whole(1, MAX_NUM_BEAMS), "beam search's n best"),
+    "num_return_sequences": _explained(
+        validators.whole(1, MAX_NUM_BEAMS), "beam search's n best, or as many samples"
+    ),
     "max_new_tokens": validators.optional(validators.whole(1, MAX_TOKENS)),
     "length_penalty": _explained(
         validators.optional(validators.number(low=LENGTH_PENALTIES[0], high=LENGTH_PENALTIES[1])),

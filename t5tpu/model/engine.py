@@ -12,7 +12,7 @@ Everything between rows of token ids and compiled programs lives here, once:
   others idle; beam search decodes a batch to its end;
 - sampling draws each input from a key of its own, `fold_in(PRNGKey(seed), index)`, so what
   an input decodes to never depends on its batch mates, its slot or when it joined;
-- parameters are cast once, here, to the network's activation dtype (bf16 weights are read by
+- parameters are cast once, here, to the model's activation dtype (bf16 weights are read by
   every decoding step: half the memory traffic of float32), a bf16 embedding table held as its
   bits (layers.embeddings_as_bits); on CPU a bf16 model's decoder kernels are held a second
   time, transposed, for the feature-major step its segments run (model/feature_major.py);
@@ -34,7 +34,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from t5tpu.model import decoding, decoding_settings, feature_major, layers, precision, slot_batch
+from t5tpu.model import (
+    decoding,
+    decoding_settings,
+    feature_major,
+    layers,
+    precision,
+    sample_copies,
+    slot_batch,
+)
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 
@@ -82,8 +90,8 @@ class Decoded:
     row: Row
     ids: np.ndarray
     state: str = "finished"
-    # Beam search's num_return_sequences best ([n, max_length], best first) and the summed
-    # log-probability of each, EOS included (None otherwise).
+    # Beam search's num_return_sequences best, or as many samples ([n, max_length], best
+    # first), and the summed log-probability of each, EOS included (None otherwise).
     sequences: np.ndarray | None = None
     scores: np.ndarray | None = None
 
@@ -260,12 +268,12 @@ class _Continuous:
 
 
 class Engine:
-    """A network and its parameters, run on rows of ids (see the module docstring)."""
+    """A model and its parameters, run on rows of ids (see the module docstring)."""
 
     def __init__(
         self,
         *,
-        network: EncoderDecoderModel,
+        model: EncoderDecoderModel,
         params,
         param_shardings,
         partitioner: Partitioner,
@@ -277,7 +285,7 @@ class Engine:
         param_view: Callable | None = None,
         cast: bool = True,
     ):
-        self.network = network
+        self.model = model
         self.partitioner = partitioner
         # Applied to the parameters inside every program (a served LoRA adapter's base rounded
         # as its run trained on it), so the arrays held stay the ones shared with others.
@@ -290,7 +298,7 @@ class Engine:
         self._param_shardings = param_shardings
         self.set_params(params)
         self.states = slot_batch.StatePool(
-            network=network, partitioner=partitioner, param_view=param_view
+            model=model, partitioner=partitioner, param_view=param_view
         )
         self._programs = _Programs(pinned=None if pinned is None else pinned.family)
         self.smaller_batches = smaller_batches
@@ -337,7 +345,7 @@ class Engine:
 
     def encode(self, text: str, limit: int | None = None) -> Encoded:
         """`text`'s ids, cut to `limit` (default: the longest input)."""
-        return encode(self.network.vocabulary, text, limit or self.max_input_length)
+        return encode(self.model.vocabulary, text, limit or self.max_input_length)
 
     def set_params(self, params) -> None:
         """Decodes with other parameters of the same shapes (another checkpoint): the compiled
@@ -345,7 +353,7 @@ class Engine:
         self.params = self._placed(params)
         # The feature-major decoding step's copy of the decoder's kernels, where it applies.
         self.step_weights = (
-            feature_major.held(self.network.config, self.params, self.partitioner)
+            feature_major.held(self.model.config, self.params, self.partitioner)
             if self._cast
             else None
         )
@@ -353,7 +361,7 @@ class Engine:
     def _placed(self, params):
         if not self._cast:
             return params
-        dtype = self.network.config.activation_dtype
+        dtype = self.model.config.activation_dtype
         cast = precision.cast_params(params, dtype, self._param_shardings)
         return layers.embeddings_as_bits(cast)
 
@@ -396,6 +404,9 @@ class Engine:
         accepts are yielded as they stand ("decoding"), and rows `left` accepts leave their
         slots ("left"). Beam search decodes batches to their end. `stop()` is asked after each
         batch or segment; True ends the stream there (rows in flight are dropped)."""
+        if request.settings.num_beams == 1 and request.settings.num_return_sequences > 1:
+            yield from self._samples(feed, request, poll_steps=poll_steps, stop=stop, left=left)
+            return
         watch = _Watch(partial=partial, left=left)
         end = _BatchEnd()
         while end.held or (bucket := feed.next_bucket()) is not None:
@@ -413,6 +424,29 @@ class Engine:
                 end = yield from self._continuous(feed, request, continuous)
             if end.stopped:
                 return
+
+    def _samples(self, feed: Feed, request: Request, **stream) -> Iterator[Decoded]:
+        """num_return_sequences samples of each row (model/sample_copies.py), yielded with
+        `sequences` and `scores` as beam search's n best are, when the row's last is done."""
+        n = request.settings.num_return_sequences
+        one = dataclasses.replace(request.settings, num_return_sequences=1)
+        copies, gathered = sample_copies.Copies(feed, n), sample_copies.Gathered(n)
+        for decoded in self.stream(copies, Request(one, request.max_length), **stream):
+            row = copies.original(decoded.row)
+            samples = gathered.add(row, decoded.ids, decoded.state)
+            if samples == "left":
+                yield Decoded(row, decoded.ids, "left")
+            elif samples is not None:
+                yield self._ranked(row, samples)
+
+    def _ranked(self, row: Row, samples: list[np.ndarray]) -> Decoded:
+        """A row's samples, best first by the model's log-likelihood of each."""
+        eos_id = self.model.vocabulary.eos_id
+        targets = [sample_copies.trimmed(ids, eos_id) for ids in samples]
+        scores = self.score([row.ids] * len(samples), targets)
+        order = np.argsort(-scores, kind="stable")
+        sequences = np.stack(samples)[order]
+        return Decoded(row, sequences[0], sequences=sequences, scores=scores[order])
 
     def _beam_batch(self, rows: list[Row], bucket: int, request: Request, count: int):
         program = self._program("beam", request, (count, bucket), self._build_beam)
@@ -618,12 +652,12 @@ class Engine:
             donate_argnums=donate_argnums,
         )
 
-    # The traced functions close over the network only, never `self` (which holds the
+    # The traced functions close over the model only, never `self` (which holds the
     # parameters): a program kept by jax's own caches must not keep the engine alive.
 
     def _build_beam(self, request: Request, count: int, bucket: int):
-        module, max_length = self.network.module, request.max_length
-        eos_id, num_beams = self.network.vocabulary.eos_id, request.settings.num_beams
+        module, max_length = self.model.module, request.max_length
+        eos_id, num_beams = self.model.vocabulary.eos_id, request.settings.num_beams
 
         def beam(params, tokens, limit, *normalization):
             normalization = decoding.Normalization(*normalization)
@@ -649,7 +683,7 @@ class Engine:
         return program
 
     def _build_score(self, _, count: int, length: int, target_length: int):
-        network = self.network
+        model = self.model
 
         def score(params, inputs, decoder_inputs, targets):
             batch = {
@@ -657,16 +691,16 @@ class Engine:
                 "decoder_input_tokens": decoder_inputs,
                 "decoder_target_tokens": targets,
             }
-            return network.score(params, batch)
+            return model.score(params, batch)
 
         return self.jit(score, (self.partitioner.batch_sharding(),) * 3)
 
     def _build_logits(self, _, rows: int, length: int, decoder_length: int):
-        network = self.network
+        model = self.model
 
         def forward(params, inputs, decoder_inputs):
             batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": decoder_inputs}
-            return network.logits(params, batch).astype(jnp.float32)
+            return model.logits(params, batch).astype(jnp.float32)
 
         return self.jit(forward, (self.partitioner.batch_sharding(),) * 2)
 

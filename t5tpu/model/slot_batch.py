@@ -47,8 +47,8 @@ class StatePool:
     abstract state (shapes, dtypes, shardings) is worked out once: tracing the network for it
     costs about as much as tracing a program."""
 
-    def __init__(self, *, network, partitioner, param_view=None):
-        self._network, self._partitioner = network, partitioner
+    def __init__(self, *, model, partitioner, param_view=None):
+        self._model, self._partitioner = model, partitioner
         self._view = param_view or (lambda params: params)
         self._idle: dict[Shape, decoding.Slots] = {}
         self._abstract: dict[Shape, decoding.Slots] = {}
@@ -58,7 +58,7 @@ class StatePool:
         if shape not in self._abstract:
             # The network reads the parameters through the engine's view (a LoRA tree unwrapped).
             viewed = jax.eval_shape(self._view, params)
-            module = self._network.module
+            module = self._model.module
             shapes = decoding.slot_shapes(
                 module, viewed, shape.count, shape.bucket, shape.max_length
             )
@@ -157,7 +157,7 @@ def compile_ahead(*, engine, programs: Programs, shape: Shape, together: bool = 
 def build_insert(*, engine, request, shape: Shape):
     """The program that starts rows in free slots (jit'd; compiled at its first call). The
     state is donated: it is updated in place."""
-    module = engine.network.module
+    module = engine.model.module
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 
@@ -171,8 +171,8 @@ def build_insert(*, engine, request, shape: Shape):
 
 def build_segment(*, engine, request, shape: Shape):
     """The program that decodes a batch's live slots until enough are free (jit'd)."""
-    module = engine.network.module
-    picking = decoding.Picking(engine.network.vocabulary.eos_id)
+    module = engine.model.module
+    picking = decoding.Picking(engine.model.vocabulary.eos_id)
     state = engine.states.shardings(engine.params, shape)
     replicated = engine.partitioner.replicated()
 

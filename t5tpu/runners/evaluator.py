@@ -104,7 +104,7 @@ class TaskEvaluator:
         # The engine that infer and serve decode with; it reads the parameters as each call
         # gives them (training's float32 copy is not cast into a second one).
         self._engine_args = dict(
-            network=model,
+            model=model,
             param_shardings=param_shardings,
             partitioner=partitioner,
             batch_size=batch_size,

@@ -174,7 +174,7 @@ class _Decoder:
         self.vocabulary = model.vocabulary
         self.request = engine.Request(settings, max_length=lengths[1])
         self._engine_args = dict(
-            network=model,
+            model=model,
             param_shardings=param_shardings,
             partitioner=partitioner,
             batch_size=batch_size,

@@ -152,7 +152,7 @@ def load_adapters(
     abstract = jax.tree_util.tree_map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), base_params
     )
-    dtype = base.model.config.activation_dtype
+    dtype = base.config.activation_dtype
     settings = adapters[0].record.settings
     flag = jax.device_put(np.bool_(False), partitioner.replicated())
     trees: dict[str | None, dict] = {}
@@ -164,7 +164,7 @@ def load_adapters(
     _, first = lora.split(trees[adapters[0].name]["params"])
     trees[None] = lora.served_tree(lora.join(base_params, _zeros_like(first)), flag)
     engine = Engine(
-        network=adapted_model(base.model, settings),
+        model=adapted_model(base.model, settings),
         params=trees[None],
         param_shardings=jax.tree_util.tree_map(lambda x: x.sharding, trees[None]),
         partitioner=partitioner,

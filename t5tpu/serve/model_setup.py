@@ -190,7 +190,7 @@ def load_worker(
         partitioner=partitioner,
     )
     model.vocabulary  # noqa: B018 - a model without one cannot take text: say so now
-    setup.defaults.check(vocab_size=model.model.config.vocab_size)
+    setup.defaults.check(vocab_size=model.config.vocab_size)
     say(f"loaded {model!r}")
     served = lora_adapters.load_adapters(setup.adapters, base=model, partitioner=partitioner)
     if served:

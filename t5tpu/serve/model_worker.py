@@ -176,7 +176,7 @@ class ModelWorker:
         self._eos = model.vocabulary.eos_id
         base = Answering(model.run_record, model.shapes.max_input_length, defaults)
         self.runs = runs or Runs({None: base})
-        self.vocab_size = model.model.config.vocab_size
+        self.vocab_size = model.config.vocab_size
         self.max_input_length = model.shapes.max_input_length
         self.max_target_length = model.shapes.max_target_length
         self.defaults = defaults
