@@ -18,6 +18,6 @@ fi
 # (docs/PERFORMANCE.md). Its errors are Python 2 files some packages ship, which pip skips too.
 # PYTHONWARNINGS: setuptools' notes on how editable installs work (a box of asterisks) stay out.
 PYTHONWARNINGS=ignore::UserWarning \
-  .venv/bin/python -m pip install -q --no-compile -c constraints.txt -e ".[test]"
+  .venv/bin/python -m pip install -q --no-compile -c constraints.txt -e ".[test,parity]"
 .venv/bin/python -m compileall -q -j 0 .venv/lib/python3*/site-packages > /dev/null || true
 echo "$WANTED" > "$STAMP"

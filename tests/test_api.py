@@ -15,8 +15,6 @@ import weakref
 import jax
 import numpy as np
 import pytest
-import torch
-import transformers
 from cli_runs import ROOT, TINY_EXPERIMENT, foreign_log_lines, read_jsonl, succeeded, t5tpu
 from t5tpu.tasks import quora, squad
 
@@ -134,6 +132,7 @@ def hf_dir(model_dir, tmp_path_factory) -> str:
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
     ids = np.array([model.vocabulary.encode("is duplicate: a <SEP> b") + [1]] * 2, np.int32)
     decoder_ids = np.array([[0, 3, 5, 7], [0, 9, 2, 4]], np.int32)
@@ -142,6 +141,9 @@ def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
     from_hf = api.load(hf_dir, batch_size=2)
     assert from_hf.logits(ids, decoder_ids).shape == ours.shape == (2, 4, model.config.vocab_size)
     np.testing.assert_allclose(from_hf.logits(ids, decoder_ids), ours, rtol=0, atol=1e-5)
+
+    import torch
+    import transformers
 
     reference = transformers.T5ForConditionalGeneration.from_pretrained(hf_dir).eval()
     with torch.no_grad():
@@ -157,7 +159,10 @@ def test_logits_match_transformers_on_the_exported_directory(model, hf_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_the_exported_directory_runs_in_a_transformers_pipeline_offline(model, hf_dir):
+    import transformers
+
     with open(QUESTIONS) as f:
         inputs = [line.strip() for line in f if line.strip()]
     # The bundled vocabulary has a user-defined piece (<SEP>) that transformers' converted fast

@@ -76,6 +76,7 @@ def check_engine_calls(calls: list) -> None:
     assert [c[0] for c in calls].count("score") == 2
 
 
+@pytest.mark.parity
 def test_every_workload_reports_against_hf(capfd, tmp_path, monkeypatch):
     output = tmp_path / "bench.jsonl"
     flags = ["--json", "--compare_hf", "--pipeline_batches=3", f"--output={output}"]
@@ -357,6 +358,7 @@ def test_dense_matmuls_are_the_weight_matmuls():
         assert np.isfinite(float(probe.fn()))
 
 
+@pytest.mark.parity
 def test_hf_reference_has_our_geometry():
     args = bench.parse_args([f"--gin_file={TINY}"])
     model = workloads.build_model(args)

@@ -85,6 +85,7 @@ def test_tiny_byt5_trains_evaluates_and_infers_offline(trained):
 
 
 @pytest.mark.slow
+@pytest.mark.parity
 def test_the_hf_export_carries_a_byte_tokenizer_transformers_runs_offline(trained, tmp_path):
     import transformers  # torch: only this test needs it
 

@@ -94,11 +94,12 @@ def test_sampling_depends_on_rng_and_top1_is_greedy():
     assert not np.array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parity
 def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
     """temperature, then top-k, then top-p, each row with its own values (one program), equal
     to transformers' TemperatureLogitsWarper, TopKLogitsWarper and TopPLogitsWarper on the
     same logits: the same tokens kept, the same values."""
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import generation
 
     from t5tpu.model import decoding
@@ -130,11 +131,12 @@ def test_sampling_filters_each_row_as_hugging_faces_warpers_do():
     assert 1 <= np.isfinite(ours[4]).sum() <= 3
 
 
+@pytest.mark.parity
 def test_penalties_then_sampling_filter_each_row_as_hugging_faces_processors_do():
     """Repetition penalty, no-repeat n-grams and min_new_tokens, then temperature, top-k and
     top-p, each row with its own values and tokens so far: the same logits kept, the same
     values, as transformers' logits processors in generate's order on the same inputs."""
-    torch = pytest.importorskip("torch")
+    import torch
     from transformers import generation
 
     from t5tpu.model import decoding

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import seqio
-from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
+from hf_fixtures import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
 from tiny import tiny_config
 
 from t5tpu.model import decoding, decoding_settings, feature_major, lora, precision
@@ -90,6 +90,7 @@ def _engine(config, params, batch_size: int) -> Engine:
 PENALIZED = decoding_settings.DecodingSettings(repetition_penalty=1.8, no_repeat_ngram_size=2)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_the_engine_decodes_the_hf_fixtures_in_bf16_as_in_float32(saved, variant):  # noqa: F811
     """The imported models' greedy ids through the engine: bfloat16 (the feature-major step)

@@ -332,10 +332,12 @@ def test_a_changed_or_missing_base_is_one_line(base, last_word, tmp_path):
         convert_command.main([f"--input={model_dir}", "--to=hf", f"--output_dir={tmp_path}/hf"])
 
 
+@pytest.mark.parity
 def test_peft_adapters_on_the_hf_base_decode_as_t5tpu(base, adapted, last_word, tmp_path):
-    peft = pytest.importorskip("peft")
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    import peft
+    import torch
+    import transformers
+
     model_dir, _ = adapted
     hf_base, adapters = str(tmp_path / "hf_base"), str(tmp_path / "peft")
     succeeded(t5tpu("convert", "--to=hf", f"--input={base}", f"--output_dir={hf_base}"))

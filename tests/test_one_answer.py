@@ -319,6 +319,7 @@ def piped(export: str, texts: list[str]) -> list[str]:
 # --- text_to_text ---------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_text_to_text_answers_everywhere_as_hf_generate_on_the_prefixed_line(
     runs, models, exports, tmp_path
 ):
@@ -364,6 +365,7 @@ def test_text_to_text_answers_everywhere_as_hf_generate_on_the_prefixed_line(
 PENALTIES = {"repetition_penalty": 1.5, "no_repeat_ngram_size": 2, "min_new_tokens": 6}
 
 
+@pytest.mark.parity
 def test_text_to_text_penalties_answer_everywhere_as_hf_generate(runs, models, exports, tmp_path):
     """Hugging Face's repetition_penalty, no_repeat_ngram_size and min_new_tokens: infer's
     macros, predict's and serve's parameters and transformers' generate on the export, alike."""
@@ -478,6 +480,7 @@ def test_eval_examples_are_the_models_answers_to_those_model_inputs(runs, models
 # --- Quora ----------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_quora_answers_and_scores_alike_everywhere(runs, models, exports, tmp_path):
     model, server = models.quora, runs.servers["quora"]
     assert model.tasks == ("qp_is_duplicate",)
@@ -505,6 +508,7 @@ def test_quora_answers_and_scores_alike_everywhere(runs, models, exports, tmp_pa
     assert abs(float(as_written[0]) - float(score[0])) > 1e-3
 
 
+@pytest.mark.parity
 def test_the_hf_tokenizer_gives_a_quora_model_its_ids_and_convert_names_the_fast_ones_gap(
     models, exports
 ):
@@ -567,6 +571,7 @@ def test_squad_answers_alike_through_predict_and_the_answer_route(runs, models, 
 # --- LoRA -----------------------------------------------------------------------------------
 
 
+@pytest.mark.parity
 def test_lora_run_answers_alike_through_infer_predict_file_and_peft(
     runs, models, exports, tmp_path
 ):

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 import reference_decoding
 import seqio
-from test_hf_format import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
+from hf_fixtures import VARIANTS, _batch, saved  # noqa: F401 (saved: the fixture)
 from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
@@ -235,6 +235,7 @@ def test_einsum_refuses_a_dim_it_could_not_differentiate():
         precision.einsum("ab,bc->c", jnp.ones((2, 3)), jnp.ones((3, 4)), BF16)
 
 
+@pytest.mark.parity
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_bf16_decodes_like_float32_on_the_hf_fixtures(saved, variant):  # noqa: F811
     """Same greedy ids; logits within 20 bfloat16 rounding units of the float32 logits' range.

@@ -136,6 +136,7 @@ def test_scalable_t5_umt5_layouts_import_with_the_source_logits(axis, tmp_path):
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(source))
 
 
+@pytest.mark.parity
 def test_a_scanned_umt5_checkpoint_converts_to_t5tpu_and_on_to_transformers_umt5(tmp_path):
     """`t5tpu convert` of the scanned layout writes a model gin with the per-layer switch, and
     its export loads in transformers as UMT5 with the source parameters' logits: the way from

@@ -118,6 +118,7 @@ def _export(model_dir: str, output_dir: str, *flags: str) -> str:
     return output_dir
 
 
+@pytest.mark.parity
 def test_the_hf_export_runs_as_umt5_in_a_transformers_pipeline(trained, model, tmp_path):
     import transformers
 
@@ -144,10 +145,11 @@ def test_the_hf_export_runs_as_umt5_in_a_transformers_pipeline(trained, model, t
 LORA_STEPS = 10
 
 
+@pytest.mark.parity
 def test_lora_adapters_on_it_load_in_peft_and_score_as_t5tpu(trained, model, tmp_path):
     """A LoRA run on the trained checkpoint; its PEFT export on the exported base gives
     t5tpu's scores, which the adapters moved off the base's."""
-    peft = pytest.importorskip("peft")
+    import peft
     import transformers
 
     model_dir, _, rows = trained

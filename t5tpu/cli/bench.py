@@ -128,7 +128,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     missing = [m for m in ("torch", "transformers") if importlib.util.find_spec(m) is None]
     if args.compare_hf and missing:
         raise UserError(
-            f"--compare_hf needs {' and '.join(missing)}: pip install -e '.[test]' in the "
+            f"--compare_hf needs {' and '.join(missing)}: pip install -e '.[parity]' in the "
             "t5tpu checkout"
         )
     return args
