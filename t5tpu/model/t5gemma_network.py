@@ -17,7 +17,7 @@ pre_/post_ norms, decoder/decoder_norm. A norm's `scale` is Gemma's: an offset f
 initialization), so checkpoints map one to one.
 
 The decoder's start token is T5's id 0 (what the feature converters and the engine feed) read
-as `decoder_start_id` (Gemma's BOS, 2): an id 0 in the decoder's input embeds as BOS.
+as `decoder_start_id` (Gemma's BOS, 2) where it starts a target; other 0s stay pad ids.
 """
 
 from __future__ import annotations
@@ -322,7 +322,7 @@ class Decoder(nn.Module):
         cross_bias = layers.bias_from_mask(cross[:, None])
 
         embedder = layers.Embed(cfg.vocab_size, stack.emb_dim, dtype, name="token_embedder")
-        tokens = jnp.where(decoder_input_tokens == 0, cfg.decoder_start_id, decoder_input_tokens)
+        tokens = _started(cfg, decoder_input_tokens, decoder_segment_ids, decode, decode_position)
         dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
         y = dropout(_embedded(cfg, embedder, tokens, stack.emb_dim), deterministic)
         y = layers.constrain(y, ("batch", "length", "embed"))
@@ -335,6 +335,19 @@ class Decoder(nn.Module):
         y = dropout(y, deterministic)
         logits = gemma_attention.soft_cap(embedder.attend(y), cfg.final_logit_softcapping)
         return layers.constrain(logits, ("batch", "length", "vocab")).astype(jnp.float32)
+
+
+def _started(cfg: T5GemmaConfig, tokens, segment_ids, decode: bool, decode_position):
+    """`tokens` with the id 0 that starts each target (position 0, each packed segment's
+    first) read as cfg.decoder_start_id; a 0 elsewhere (a decoded pad id) stays 0."""
+    if decode and decode_position is not None:
+        start = jnp.reshape(decode_position == 0, (-1, 1))
+    else:
+        start = (jnp.arange(tokens.shape[1]) == 0)[None]
+        if segment_ids is not None:
+            before = jnp.pad(segment_ids[:, :-1], ((0, 0), (1, 0)), constant_values=-1)
+            start = start | (segment_ids != before)
+    return jnp.where(start & (tokens == 0), cfg.decoder_start_id, tokens)
 
 
 def _step_positions(decode_position) -> Array:
