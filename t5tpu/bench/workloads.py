@@ -49,10 +49,14 @@ def build_model(args):
     from t5tpu.config import gin_setup
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.model.network import T5Config
+    from t5tpu.model.t5gemma_network import T5GemmaConfig
 
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
     # Model files leave DROPOUT_RATE to the run files; the benchmark sets dropout from its flag.
-    bindings = [*args.gin_bindings, f"T5Config.dropout_rate = {args.dropout_rate!r}"]
+    bindings = [
+        *args.gin_bindings,
+        *(f"{c}.dropout_rate = {args.dropout_rate!r}" for c in ("T5Config", "T5GemmaConfig")),
+    ]
     # gin logs every search path it tries as an error; only the outcome matters here.
     root_logger = logging.getLogger()
     level = root_logger.level
@@ -62,12 +66,23 @@ def build_model(args):
     finally:
         root_logger.setLevel(level)
     try:
-        config = T5Config()
+        config = T5GemmaConfig() if _binds_t5gemma() else T5Config()
     except ValueError as e:
         raise UserError(f"bad gin config for the benchmark: {str(e).splitlines()[0]}") from None
     # Positionally: gin evaluates every bound keyword argument, the callers' too, and would
     # load the model file's vocabulary before this one replaced it.
     return EncoderDecoderModel(config, IdsOnly(config.vocab_size))
+
+
+def _binds_t5gemma() -> bool:
+    """Whether the parsed model file's EncoderDecoderModel.config is a T5GemmaConfig."""
+    import gin
+
+    try:
+        bound = gin.query_parameter("EncoderDecoderModel.config")
+    except ValueError:  # not bound: T5Config's bindings, if any, make the model
+        return False
+    return getattr(bound, "selector", "").endswith("T5GemmaConfig")
 
 
 def random_batch(
