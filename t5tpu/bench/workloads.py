@@ -49,7 +49,6 @@ def build_model(args):
     from t5tpu.config import gin_setup
     from t5tpu.model.encoder_decoder import EncoderDecoderModel
     from t5tpu.model.network import T5Config
-    from t5tpu.model.t5gemma_network import T5GemmaConfig
 
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
     # Model files leave DROPOUT_RATE to the run files; the benchmark sets dropout from its flag.
@@ -66,23 +65,13 @@ def build_model(args):
     finally:
         root_logger.setLevel(level)
     try:
-        config = T5GemmaConfig() if _binds_t5gemma() else T5Config()
+        # The model file's config (a T5Config, or T5Gemma's), else T5Config's bindings.
+        config = gin_setup.bound_value("EncoderDecoderModel.config") or T5Config()
     except ValueError as e:
         raise UserError(f"bad gin config for the benchmark: {str(e).splitlines()[0]}") from None
     # Positionally: gin evaluates every bound keyword argument, the callers' too, and would
     # load the model file's vocabulary before this one replaced it.
     return EncoderDecoderModel(config, IdsOnly(config.vocab_size))
-
-
-def _binds_t5gemma() -> bool:
-    """Whether the parsed model file's EncoderDecoderModel.config is a T5GemmaConfig."""
-    import gin
-
-    try:
-        bound = gin.query_parameter("EncoderDecoderModel.config")
-    except ValueError:  # not bound: T5Config's bindings, if any, make the model
-        return False
-    return getattr(bound, "selector", "").endswith("T5GemmaConfig")
 
 
 def random_batch(

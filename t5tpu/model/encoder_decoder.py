@@ -16,8 +16,8 @@ import jax.numpy as jnp
 
 from t5tpu.errors import UserError
 from t5tpu.model.lora import LoraSettings
+from t5tpu.model.model_family import network_module
 from t5tpu.model.network import T5Config
-from t5tpu.model.networks import network_module
 from t5tpu.model.t5gemma_network import T5GemmaConfig
 from t5tpu.runtime.lazy_imports import seqio
 

@@ -13,8 +13,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from t5tpu.model.model_family import network_module
 from t5tpu.model.network import T5Config
-from t5tpu.model.networks import network_module
 
 
 def boxed_abstract_params(config: T5Config):
