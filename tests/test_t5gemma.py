@@ -292,3 +292,44 @@ def test_model_gins_have_transformers_parameter_counts(name, expected):
         assert config.decoder.emb_dim == 2304 and config.num_decoder_layers == 26
     else:
         assert config.decoder == config.encoder
+
+
+EXPERIMENT = "configs/experiments/qp_is_duplicate_t5gemma_tiny_cpu.gin"
+
+
+@pytest.mark.slow  # trains and decodes through the command line
+def test_tiny_t5gemma_trains_infers_loads_and_exports(tmp_path):
+    """The tiny experiment through `t5tpu train` and `t5tpu infer` (the real runners, the
+    engine, checkpoints and their config.gin); t5tpu.load reads it back as a T5Gemma and
+    predicts as infer did; its Hugging Face export scores as t5tpu does."""
+    from cli_runs import quick_training, read_jsonl, succeeded, t5tpu
+
+    from t5tpu.api import load
+
+    steps, model_dir = 10, str(tmp_path / "model")
+    # This checkout's configs first (an installed t5tpu.configs may be another checkout's).
+    flags = [f"--gin_file={EXPERIMENT}", f"--gin_search_paths={ROOT}"]
+    # The experiment's EVAL_PERIOD (300) lies beyond the steps: no eval, training alone.
+    run = succeeded(t5tpu("train", *flags, *quick_training(steps), model_dir=model_dir))
+    assert f"step {steps}/{steps}" in run.stdout
+    succeeded(t5tpu("infer", *flags, "--gin.INFER_NUM_EXAMPLES=4", model_dir=model_dir))
+    path = os.path.join(model_dir, "inference", f"qp_is_duplicate_validation-{steps}-first4.jsonl")
+    rows = read_jsonl(path)
+    loaded = load(model_dir, batch_size=4)
+    assert isinstance(loaded.model.config, T5GemmaConfig)
+    assert loaded.model.config.encoder.num_kv_heads == 2
+    inputs = [row["input"] for row in rows]
+    assert loaded.predict(inputs) == [row["prediction"] for row in rows]
+
+    params = jax.tree_util.tree_map(np.asarray, loaded.params)
+    hf_t5gemma.export(params, loaded.model.config, str(tmp_path / "hf"))
+    hf = transformers.T5GemmaForConditionalGeneration.from_pretrained(
+        str(tmp_path / "hf"), attn_implementation="eager"
+    ).eval()
+    ids = np.zeros((len(inputs), 32), np.int64)
+    for i, text in enumerate(inputs):
+        encoded = loaded.vocabulary.encode(text)[:31] + [EOS]
+        ids[i, : len(encoded)] = encoded
+    targets = np.array([[0, 3, 5, EOS]] * len(inputs))
+    ours = loaded.logits(ids, targets)
+    np.testing.assert_allclose(ours, _hf_logits(hf, ids, targets), atol=1e-4)

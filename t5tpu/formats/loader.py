@@ -334,7 +334,7 @@ def _gin_model() -> _GinModel:
         checkpoint_gin.is_bound("default_vocabulary", parameter)
         for parameter in ("sentencepiece_model_file", "kind")
     )
-    config = T5Config()
+    config = checkpoint_gin.bound_model_config() or T5Config()
     return _GinModel(
         config=config,
         vocabulary=vocab.default_vocabulary() if bound else None,
