@@ -7,10 +7,12 @@ geometries with transformers' own parameter counts."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import pathlib
 
+import flax
 import flax.traverse_util
 import gin
 import jax
@@ -333,3 +335,36 @@ def test_tiny_t5gemma_trains_infers_loads_and_exports(tmp_path):
     targets = np.array([[0, 3, 5, EOS]] * len(inputs))
     ours = loaded.logits(ids, targets)
     np.testing.assert_allclose(ours, _hf_logits(hf, ids, targets), atol=1e-4)
+
+
+def test_lora_adapts_every_target_and_bfloat16_stays_close(saved):
+    """LoRA's targets (q, k, v, o of the three attentions, wi and wo) sit beside T5Gemma's
+    kernels as beside T5's, a fresh adapter changing nothing; the bfloat16 network (bfloat16
+    matmul inputs, float32 sums and softmax) stays near the float32 logits."""
+    from t5tpu.model import lora
+    from t5tpu.model.encoder_decoder import adapted_model
+
+    _, _, config, params = saved["unbalanced"]
+    base = EncoderDecoderModel(config, seqio.PassThroughVocabulary(VOCAB, eos_id=EOS))
+    settings = lora.LoraSettings(rank=2, targets=lora.TARGETS)
+    adapted = adapted_model(base, settings)
+    initial = flax.core.meta.unbox(adapted.init(jax.random.PRNGKey(1), 8, 8))
+    _, adapters = lora.split(initial)
+    kernels = flax.traverse_util.flatten_dict(adapters, sep="/")
+    # Per encoder layer 4 attention + 3 MLP kernels, per decoder layer 8 + 3; a and b each.
+    layers = config.num_encoder_layers * 7 + config.num_decoder_layers * 11
+    assert len(kernels) == 2 * layers
+    assert "decoder/layers_1/encoder_decoder_attention/key/lora_a" in kernels
+    assert kernels["decoder/layers_0/encoder_decoder_attention/key/lora_a"].shape == (64, 2)
+    shapes = lora.adapter_shapes(param_shapes.abstract_params(config), None, settings)
+    assert len(flax.traverse_util.flatten_dict(shapes)) == 2 * layers
+
+    inputs, targets = _batch()
+    batch = {"encoder_input_tokens": inputs, "decoder_input_tokens": targets}
+    plain = base.logits(params, batch)
+    np.testing.assert_allclose(adapted.logits(lora.join(params, adapters), batch), plain, atol=1e-6)
+
+    half = dataclasses.replace(config, dtype="bfloat16")
+    low = T5GemmaTransformer(half).apply({"params": params}, inputs, targets)
+    assert low.dtype == jnp.float32
+    assert np.max(np.abs(np.asarray(low) - np.asarray(plain))) < 0.1 * np.max(np.abs(plain))

@@ -73,16 +73,25 @@ def grouped_attend(
     key rows (beam search's shared cross-attention cache). [rows, q, heads, head_dim] out."""
     rows, _, heads, head_dim = query.shape
     kv_heads = key.shape[1]
+    group = heads // kv_heads
     query, bias = layers._share_key_value_rows(query, bias, key.shape[0])
-    grouped = query.reshape(query.shape[:2] + (kv_heads, heads // kv_heads, head_dim))
-    logits = precision.einsum("bqkgd,bksd->bkgqs", grouped, key, dtype, jnp.float32)
+    batch, length = query.shape[:2]
+    # Each kv head's query heads as more query positions: [batch, group * q, kv_heads, head_dim],
+    # so the matmuls take T5's forms (layers.attend's), which XLA:CPU runs in bfloat16.
+    grouped = query.reshape((batch, length, kv_heads, group, head_dim))
+    grouped = jnp.swapaxes(jnp.swapaxes(grouped, 1, 3), 2, 3)  # [batch, group, q, kv_heads, d]
+    grouped = grouped.reshape((batch, group * length, kv_heads, head_dim))
+    logits = precision.einsum("bqhd,bhkd->bhqk", grouped, key, dtype, jnp.float32)
     logits = soft_cap(logits * scale, cap)
-    if bias is not None:
-        logits = logits + bias[:, :, None]
+    if bias is not None:  # [rows, 1, q or 1, k]: the same for every query head of a group
+        split = logits.reshape((batch, kv_heads, group, length, -1)) + bias[:, :, None]
+        logits = split.reshape(logits.shape)
     weights = jax.nn.softmax(logits, axis=-1).astype(dtype)
     if dropout is not None:
         weights = dropout(weights)
-    out = precision.einsum("bkgqs,bksd->bqkgd", weights, value, dtype)
+    out = precision.einsum("bhqk,bhkd->bhqd", weights, value, dtype)  # [b, kv, group * q, d]
+    out = out.reshape((batch, kv_heads, group, length, head_dim))
+    out = jnp.transpose(out, (0, 3, 1, 2, 4))  # [batch, q, kv_heads, group, head_dim]
     return out.reshape((rows, -1, heads, head_dim))
 
 
