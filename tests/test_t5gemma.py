@@ -223,6 +223,22 @@ def test_the_engine_decodes_greedy_beams_and_samples(saved, variant):
     assert not np.array_equal(together, ids)
 
 
+def test_t5tpu_load_reads_a_t5gemma_directory_and_decodes_as_generate(saved):
+    """t5tpu.load (the loader's Hugging Face reader picks T5Gemma's by config.json's
+    model_type): greedy and beam ids of the unbalanced model as transformers generates them."""
+    from t5tpu import api
+
+    model, directory, config, params = saved["unbalanced"]
+    loaded = api.load(directory, batch_size=4, max_target_length=10)
+    assert loaded.model.config == config
+    inputs = _decoded_inputs()
+    want = _hf_generate(model, inputs, 10, num_beams=1)
+    np.testing.assert_array_equal(loaded.generate_ids(inputs), want)
+    beams = {"num_beams": 3, "length_penalty": 1.0}
+    want = _hf_generate(model, inputs, 10, **beams)
+    np.testing.assert_array_equal(loaded.generate_ids(inputs, **beams), want)
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_export_gives_save_pretrained_tensors_and_loads_in_transformers(saved, variant, tmp_path):
     model, directory, config, params = saved[variant]

@@ -12,20 +12,25 @@ hf_format.py's.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 
 import flax.linen as nn
 import numpy as np
+from etils import epath
 from flax import traverse_util
 
 from t5tpu.errors import UserError
-from t5tpu.formats import hf_format
+from t5tpu.formats import checkpoint_reader, hf_format
+from t5tpu.formats.vocabulary_source import SENTENCEPIECE, VocabularySource
 from t5tpu.model import param_shapes
 from t5tpu.model.t5gemma_network import GLOBAL, LOCAL, T5GemmaConfig, T5GemmaStack
 
 MODEL_TYPE = "t5gemma"
+TOKENIZER_FILE = "tokenizer.model"  # Gemma's SentencePiece model, as Hugging Face ships it
+TIED_LM_HEAD = "lm_head.out_proj.weight"  # the decoder's embedding again
 _LAYER_TYPES = {"sliding_attention": LOCAL, "full_attention": GLOBAL}
 # t5tpu's name part -> Hugging Face's, within a layer.
 _PARTS = {
@@ -153,14 +158,21 @@ def hf_name(name: str) -> str:
     return f"{stack}.layers.{index}.{inner}.weight"
 
 
+def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The shape Hugging Face stores parameter `name` (of t5tpu's `shape`) in: a kernel's as a
+    torch Linear weight [out, in] (attention's out kernel has two input dims), others alike."""
+    if not name.endswith("/kernel"):
+        return tuple(shape)
+    num_in = 2 if name.endswith("/out/kernel") else 1
+    return (math.prod(shape[num_in:]), math.prod(shape[:num_in]))
+
+
 def to_hf(name: str, array) -> np.ndarray:
-    """A parameter as Hugging Face stores it: kernels as torch Linear weights [out, in]."""
+    """A parameter as Hugging Face stores it (hf_shape)."""
     array = np.asarray(array, np.float32)
     if not name.endswith("/kernel"):
         return array
-    num_in = 2 if name.endswith("/out/kernel") else 1
-    fan_in = math.prod(array.shape[:num_in])
-    return np.ascontiguousarray(array.reshape(fan_in, -1).T)
+    return np.ascontiguousarray(array.reshape(hf_shape(name, array.shape)[::-1]).T)
 
 
 def from_hf(tensor: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray:
@@ -171,44 +183,77 @@ def from_hf(tensor: np.ndarray, shape: tuple[int, ...], name: str) -> np.ndarray
     return np.ascontiguousarray(tensor.reshape(shape))
 
 
-def params_from_tensors(tensors, config: T5GemmaConfig) -> dict:
-    """t5tpu's parameter tree (float32 numpy) from `tensors` (name -> array, or a callable
-    reading one by name), checked name by name and shape by shape."""
-    read = tensors if callable(tensors) else tensors.__getitem__
-    shapes = traverse_util.flatten_dict(param_shapes.abstract_params(config), sep="/")
-    flat = {}
-    for name, leaf in shapes.items():
-        shape = tuple(leaf.shape)
-        tensor = read(hf_name(name))
-        if math.prod(np.shape(tensor)) != math.prod(shape):
-            raise UserError(f"{hf_name(name)} is {np.shape(tensor)}, not the {shape} of {name}")
-        flat[name] = from_hf(tensor, shape, name)
-    return traverse_util.unflatten_dict(flat, sep="/")
-
-
 def tensors_from_params(params) -> dict[str, np.ndarray]:
     flat = traverse_util.flatten_dict(nn.unbox(params), sep="/")
     return {hf_name(name): to_hf(name, array) for name, array in sorted(flat.items())}
 
 
+class T5GemmaCheckpoint(checkpoint_reader.CheckpointReader):
+    """A Hugging Face T5Gemma directory (config.json of model_type 't5gemma' and safetensors,
+    possibly sharded), read tensor by tensor as hf_format reads T5's; Gemma's tokenizer.model
+    beside it is its vocabulary."""
+
+    step = 0
+
+    def __init__(self, directory: str):
+        self.directory = directory
+        self.description = f"Hugging Face T5Gemma checkpoint {directory}"
+
+    @staticmethod
+    def recognizes(path: str) -> bool:
+        config = os.path.join(path, hf_format.CONFIG_FILE)
+        if not epath.Path(config).exists():
+            return False
+        return is_t5gemma(hf_format._read_json(config))
+
+    @functools.cached_property
+    def _config(self) -> T5GemmaConfig:
+        path = os.path.join(self.directory, hf_format.CONFIG_FILE)
+        return config_from_hf(hf_format._read_json(path), path)
+
+    def config(self) -> T5GemmaConfig:
+        return self._config
+
+    def vocabulary(self) -> VocabularySource:
+        path = os.path.join(self.directory, TOKENIZER_FILE)
+        if not epath.Path(path).exists():
+            return VocabularySource()
+        return VocabularySource(SENTENCEPIECE, path, 0)
+
+    @functools.cached_property
+    def _files(self) -> dict:
+        files = {}
+        for shard in hf_format._shard_files(self.directory, hf_format.SAFETENSORS_FILE):
+            opened = hf_format.SafetensorsFile(os.path.join(self.directory, shard))
+            files.update(dict.fromkeys(opened.shapes(), opened))
+        if not files:
+            raise UserError(f"no {hf_format.SAFETENSORS_FILE} in {self.directory}")
+        return files
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {
+            name: opened.shapes()[name]
+            for name, opened in self._files.items()
+            if name != TIED_LM_HEAD
+        }
+
+    def read(self, stored_name: str) -> np.ndarray:
+        return self._files[stored_name].read(stored_name)
+
+    def stored_name(self, name: str) -> str:
+        return hf_name(name)
+
+    def source(self, name: str, shape: tuple[int, ...]) -> checkpoint_reader.Source:
+        return checkpoint_reader.Source(
+            hf_name(name), hf_shape(name, shape), lambda array: from_hf(array, shape, name)
+        )
+
+
 def load(directory: str) -> tuple[T5GemmaConfig, dict]:
-    """(config, float32 parameters) of a Hugging Face T5Gemma directory (safetensors)."""
-    path = os.path.join(directory, hf_format.CONFIG_FILE)
-    with open(path) as f:
-        config = config_from_hf(json.load(f), path)
-    files = {}
-    for shard in hf_format._shard_files(directory, hf_format.SAFETENSORS_FILE):
-        opened = hf_format.SafetensorsFile(os.path.join(directory, shard))
-        files.update(dict.fromkeys(opened.shapes(), opened))
-    if not files:
-        raise UserError(f"no {hf_format.SAFETENSORS_FILE} in {directory}")
-
-    def read(name: str) -> np.ndarray:
-        if name not in files:
-            raise UserError(f"{directory} has no tensor {name}; is it a T5Gemma checkpoint?")
-        return files[name].read(name)
-
-    return config, params_from_tensors(read, config)
+    """(config, float32 numpy parameters) of a Hugging Face T5Gemma directory."""
+    reader = T5GemmaCheckpoint(directory)
+    config = reader.config()
+    return config, reader.load(param_shapes.abstract_params(config, unrolled=True))
 
 
 def export(params, config: T5GemmaConfig, output_dir: str) -> None:
