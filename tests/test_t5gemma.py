@@ -180,13 +180,13 @@ def test_greedy_decodes_match_transformers_generate(saved, variant):
     assert len(set(expected.flat)) > 3  # not one token over and over
 
 
-def _engine(config, params, max_length: int) -> engine.Engine:
+def _engine(config, params, max_length: int, partitioner=None) -> engine.Engine:
     network = EncoderDecoderModel(config, seqio.PassThroughVocabulary(VOCAB, eos_id=EOS))
-    partitioner = Partitioner()
+    partitioner = partitioner or Partitioner()
     _, shardings = param_shapes.sharded_abstract_params(config, partitioner)
     return engine.Engine(
         network=network,
-        params=jax.tree_util.tree_map(jnp.asarray, params),
+        params=jax.device_put(params, shardings),
         param_shardings=shardings,
         partitioner=partitioner,
         batch_size=4,
@@ -237,6 +237,43 @@ def test_t5tpu_load_reads_a_t5gemma_directory_and_decodes_as_generate(saved):
     beams = {"num_beams": 3, "length_penalty": 1.0}
     want = _hf_generate(model, inputs, 10, **beams)
     np.testing.assert_array_equal(loaded.generate_ids(inputs, **beams), want)
+
+
+def _decoded_model_parallel() -> dict:
+    """Run on 8 devices (2-way model parallel): the unbalanced model's greedy and beam ids
+    through the engine, transformers' own, and how its kv-head kernels are placed (the
+    encoder's 2 kv heads split over 'model', the decoder's 1 replicated)."""
+    import tempfile
+
+    model = _hf_model("unbalanced")
+    with tempfile.TemporaryDirectory() as directory:
+        model.save_pretrained(directory)
+        config, params = hf_t5gemma.load(directory)
+    partitioner = Partitioner(num_partitions=2)
+    runs = _engine(config, params, 10, partitioner)
+    rows, inputs = _rows(_decoded_inputs()), _decoded_inputs()
+    beams = {"num_beams": 3, "length_penalty": 1.0}
+    beam_request = engine.Request(decoding.DecodingSettings(**beams), 10)
+    _, shardings = param_shapes.sharded_abstract_params(config, partitioner)
+    keys = {stack: shardings[stack]["layers_0"] for stack in ("encoder", "decoder")}
+    return {
+        "greedy": np.stack(runs.generate(rows, engine.Request(decoding.DecodingSettings(), 10))),
+        "want_greedy": _hf_generate(model, inputs, 10, num_beams=1),
+        "beam": np.stack(runs.generate(rows, beam_request)),
+        "want_beam": _hf_generate(model, inputs, 10, **beams),
+        "encoder_key": str(keys["encoder"]["attention"]["key"]["kernel"].spec),
+        "decoder_key": str(keys["decoder"]["self_attention"]["key"]["kernel"].spec),
+    }
+
+
+@pytest.mark.slow  # a process of its own with 8 devices
+def test_model_parallel_decodes_as_transformers_generate():
+    from fake_devices import run_script_on_eight_devices
+
+    out = run_script_on_eight_devices(__file__)
+    assert out["greedy"] == out["want_greedy"] and out["beam"] == out["want_beam"]
+    assert out["encoder_key"] == str(jax.sharding.PartitionSpec(None, "model", None))
+    assert out["decoder_key"] == str(jax.sharding.PartitionSpec(None, None, None))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -384,3 +421,9 @@ def test_lora_adapts_every_target_and_bfloat16_stays_close(saved):
     low = T5GemmaTransformer(half).apply({"params": params}, inputs, targets)
     assert low.dtype == jnp.float32
     assert np.max(np.abs(np.asarray(low) - np.asarray(plain))) < 0.1 * np.max(np.abs(plain))
+
+
+if __name__ == "__main__":  # test_model_parallel_decodes_as_transformers_generate's run
+    import json
+
+    print(json.dumps({k: np.asarray(v).tolist() for k, v in _decoded_model_parallel().items()}))

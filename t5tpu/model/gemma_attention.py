@@ -125,9 +125,9 @@ class GroupedQueryAttention(nn.Module):
             lora=self._adapter(name),
             name=name,
         )
-        # Activations name kv heads unsharded: a few kv heads rarely divide the 'model' axis.
-        shown = "heads" if name == "query" else None
-        return layers.constrain(dense(x), ("batch", "length", shown, "kv"))
+        if name != "query":  # placed as their kernel is (kv heads where they divide 'model')
+            return dense(x)
+        return layers.constrain(dense(x), ("batch", "length", "heads", "kv"))
 
     def _key_value(self, inputs_kv: Array, key_positions: Array | None):
         """Head-major keys (rotated where positions are given) and values."""
