@@ -47,7 +47,7 @@ STACK = dict(
     query_pre_attn_scalar=16,
     sliding_window=6,
     attn_logit_softcapping=5.0,
-    final_logit_softcapping=8.0,
+    final_logit_softcapping=1.0,
 )
 VARIANTS = {
     "balanced": (STACK, STACK),
@@ -145,7 +145,7 @@ def test_config_json_reads_as_both_stacks(saved):
     assert balanced.encoder.layer_type(0) == "local" and balanced.encoder.layer_type(1) == "global"
     assert (unbalanced.emb_dim, unbalanced.decoder.emb_dim) == (64, 48)
     assert (unbalanced.num_encoder_layers, unbalanced.num_decoder_layers) == (3, 2)
-    assert unbalanced.final_logit_softcapping == 8.0 and unbalanced.decoder_start_id == BOS
+    assert unbalanced.final_logit_softcapping == 1.0 and unbalanced.decoder_start_id == BOS
     assert hf_t5gemma.config_from_hf(hf_t5gemma.hf_config(unbalanced)) == unbalanced
 
 
