@@ -58,6 +58,8 @@ def standard_logical_axis_rules(
         ("vocab", "model"),
         ("mlp", "model"),
         ("heads", "model"),
+        # T5Gemma's key/value heads (fewer than its query heads): sharded where they divide.
+        ("kv_heads", "model"),
         ("joined_kv", "model"),
     ]
     rules += [(name, None) for name in _UNSHARDED_AXES]

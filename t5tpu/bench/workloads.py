@@ -52,7 +52,10 @@ def build_model(args):
 
     search_paths = [p for p in args.gin_search_paths.split(",") if p]
     # Model files leave DROPOUT_RATE to the run files; the benchmark sets dropout from its flag.
-    bindings = [*args.gin_bindings, f"T5Config.dropout_rate = {args.dropout_rate!r}"]
+    bindings = [
+        *args.gin_bindings,
+        *(f"{c}.dropout_rate = {args.dropout_rate!r}" for c in ("T5Config", "T5GemmaConfig")),
+    ]
     # gin logs every search path it tries as an error; only the outcome matters here.
     root_logger = logging.getLogger()
     level = root_logger.level
@@ -62,7 +65,8 @@ def build_model(args):
     finally:
         root_logger.setLevel(level)
     try:
-        config = T5Config()
+        # The model file's config (a T5Config, or T5Gemma's), else T5Config's bindings.
+        config = gin_setup.bound_value("EncoderDecoderModel.config") or T5Config()
     except ValueError as e:
         raise UserError(f"bad gin config for the benchmark: {str(e).splitlines()[0]}") from None
     # Positionally: gin evaluates every bound keyword argument, the callers' too, and would

@@ -77,3 +77,18 @@ def is_bound(configurable: str, parameter: str) -> bool:
         except ValueError:
             continue
     return False
+
+
+def bound_model_config():
+    """The config EncoderDecoderModel.config is bound to (unscoped or in the model's scope),
+    built; None when the files bind none (T5Config's own bindings then make the model). For
+    use inside `parsed`'s block: a T5Gemma checkpoint's files bind a T5GemmaConfig."""
+    for key in ("EncoderDecoderModel.config", f"{_MODEL_SCOPE}/EncoderDecoderModel.config"):
+        try:
+            reference = gin.query_parameter(key)
+        except ValueError:
+            continue
+        if isinstance(reference, gin.config.ConfigurableReference):
+            return reference.scoped_configurable_fn()
+        return reference
+    return None

@@ -216,6 +216,11 @@ def to_t5tpu(
     _check_output(output_dir, input_path, overwrite)
     reader = loader.IMPORTERS[source](input_path)
     config = reader.config()
+    if not isinstance(config, T5Config):
+        raise UserError(
+            f"{input_path} is a T5Gemma checkpoint, which `t5tpu convert` does not write as "
+            "t5tpu's yet; INITIAL_CHECKPOINT_PATH and t5tpu.load read its directory as it is"
+        )
     step = reader.step
     params = reader.load(param_shapes.abstract_params(config, unrolled=True))
     vocabulary = reader.vocabulary()

@@ -28,7 +28,7 @@ from etils import epath
 from t5tpu.config import checkpoint_gin
 from t5tpu.data import vocab
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, hf_format, mesh_tf_format, t5x_format
+from t5tpu.formats import checkpoint_reader, hf_format, hf_t5gemma, mesh_tf_format, t5x_format
 from t5tpu.model import layer_stacking, lora, param_shapes, precision
 from t5tpu.model.network import T5Config
 from t5tpu.storage import checkpoints, locations, lora_checkpoints, remote
@@ -36,9 +36,22 @@ from t5tpu.storage import model_dir as paths
 from t5tpu.storage.lora_checkpoints import AdapterRecord
 from t5tpu.storage.run_record import RunRecord
 
+
+class _HFDirectory:
+    """A Hugging Face directory's reader: T5Gemma's for a config.json of model_type 't5gemma'
+    (hf_t5gemma.py), else T5's (hf_format.py)."""
+
+    recognizes = staticmethod(hf_format.HFCheckpoint.recognizes)
+
+    def __new__(cls, path: str) -> checkpoint_reader.CheckpointReader:
+        if hf_t5gemma.T5GemmaCheckpoint.recognizes(path):
+            return hf_t5gemma.T5GemmaCheckpoint(path)
+        return hf_format.HFCheckpoint(path)
+
+
 # The formats t5tpu imports (checkpoint_reader.CheckpointReader), in the order detect_format tries.
 IMPORTERS: dict[str, type[checkpoint_reader.CheckpointReader]] = {
-    "hf": hf_format.HFCheckpoint,
+    "hf": _HFDirectory,
     "t5x": t5x_format.T5XCheckpoint,
     "mesh_tf": mesh_tf_format.MeshTFCheckpoint,
 }
@@ -334,7 +347,7 @@ def _gin_model() -> _GinModel:
         checkpoint_gin.is_bound("default_vocabulary", parameter)
         for parameter in ("sentencepiece_model_file", "kind")
     )
-    config = T5Config()
+    config = checkpoint_gin.bound_model_config() or T5Config()
     return _GinModel(
         config=config,
         vocabulary=vocab.default_vocabulary() if bound else None,

@@ -16,7 +16,9 @@ import jax.numpy as jnp
 
 from t5tpu.errors import UserError
 from t5tpu.model.lora import LoraSettings
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.model_family import network_module
+from t5tpu.model.network import T5Config
+from t5tpu.model.t5gemma_network import T5GemmaConfig
 from t5tpu.runtime.lazy_imports import seqio
 
 Array = jax.Array
@@ -53,7 +55,7 @@ class EncoderDecoderModel:
 
     def __init__(
         self,
-        config: T5Config,
+        config: T5Config | T5GemmaConfig,
         vocabulary: seqio.Vocabulary,
         z_loss: float = 1e-4,
         label_smoothing: float = 0.0,
@@ -73,7 +75,7 @@ class EncoderDecoderModel:
             )
         self.config = config
         self.vocabulary = vocabulary
-        self.module = Transformer(config)
+        self.module = network_module(config)
         self.z_loss = z_loss
         self.label_smoothing = label_smoothing
         self.loss_normalizing_factor = loss_normalizing_factor
@@ -139,5 +141,5 @@ def adapted_model(model: EncoderDecoderModel, settings: LoraSettings) -> Encoder
     vocabulary, loss and decoding; its parameters are the base's joined with the adapters."""
     adapted = copy.copy(model)
     adapted.config = dataclasses.replace(model.config, lora=settings)
-    adapted.module = Transformer(adapted.config)
+    adapted.module = network_module(adapted.config)
     return adapted

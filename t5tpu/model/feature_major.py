@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from t5tpu.model import layers
+from t5tpu.model.network import T5Config
 
 Array = jax.Array
 
@@ -33,7 +34,8 @@ _SELF, _CROSS = "self_attention", "encoder_decoder_attention"
 def applies(config, platform: str) -> bool:
     """Whether decoding steps of `config` on `platform` run here."""
     return (
-        platform == "cpu"
+        isinstance(config, T5Config)  # T5Gemma's decoder runs its network's own step
+        and platform == "cpu"
         and config.dtype == "bfloat16"
         and not config.scan_layers
         and config.lora is None

@@ -13,14 +13,15 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.model_family import network_module
+from t5tpu.model.network import T5Config
 
 
 def boxed_abstract_params(config: T5Config):
     """Parameter shapes still carrying their logical axis names, laid out as `config` runs
     them (a stack of layers as one array under scan_layers)."""
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    variables = jax.eval_shape(Transformer(config).init, jax.random.PRNGKey(0), tokens, tokens)
+    variables = jax.eval_shape(network_module(config).init, jax.random.PRNGKey(0), tokens, tokens)
     return variables["params"]
 
 

@@ -327,6 +327,9 @@ def plan(
 
 def _plan_training(optimizer, partitioner, work, num_devices) -> memory_plan.MemoryPlan:
     """The plan of a full fine-tuning run, or of a LoRA run (train.method)."""
+    bound = gin_setup.bound_value("EncoderDecoderModel.config")
+    if bound is not None and not isinstance(bound, T5Config):  # T5Config() would be another
+        raise UserError("t5tpu plan plans T5 models only; T5Gemma's plans are not written yet")
     settings = lora_run.settings_of(_train_binding("method"))
     if settings is None:
         return memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
