@@ -27,7 +27,7 @@ import transformers
 
 import t5tpu.data.vocab  # noqa: F401  (default_vocabulary, which the gins bind)
 from t5tpu.formats import hf_t5gemma
-from t5tpu.model import decoding, engine, param_shapes
+from t5tpu.model import decoding_settings, engine, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.model.t5gemma_network import T5GemmaConfig, T5GemmaTransformer
 from t5tpu.partitioning import Partitioner
@@ -185,7 +185,7 @@ def _engine(config, params, max_length: int, partitioner=None) -> engine.Engine:
     partitioner = partitioner or Partitioner()
     _, shardings = param_shapes.sharded_abstract_params(config, partitioner)
     return engine.Engine(
-        network=network,
+        model=network,
         params=jax.device_put(params, shardings),
         param_shardings=shardings,
         partitioner=partitioner,
@@ -208,15 +208,17 @@ def test_the_engine_decodes_greedy_beams_and_samples(saved, variant):
     inputs = _decoded_inputs()
     length = 10
     runs = _engine(config, params, length)
-    greedy = engine.Request(decoding.DecodingSettings(), length)
+    greedy = engine.Request(decoding_settings.DecodingSettings(), length)
     ids = np.stack(runs.generate(_rows(inputs), greedy))
     np.testing.assert_array_equal(ids, _hf_generate(model, inputs, length, num_beams=1))
 
-    beams = engine.Request(decoding.DecodingSettings(num_beams=3, length_penalty=1.0), length)
+    beams = engine.Request(
+        decoding_settings.DecodingSettings(num_beams=3, length_penalty=1.0), length
+    )
     want = _hf_generate(model, inputs, length, num_beams=3, length_penalty=1.0)
     np.testing.assert_array_equal(np.stack(runs.generate(_rows(inputs), beams)), want)
 
-    sampled = engine.Request(decoding.DecodingSettings(temperature=1.0, seed=3), length)
+    sampled = engine.Request(decoding_settings.DecodingSettings(temperature=1.0, seed=3), length)
     together = np.stack(runs.generate(_rows(inputs), sampled))
     alone = [runs.generate([row], sampled, first=i)[0] for i, row in enumerate(_rows(inputs))]
     np.testing.assert_array_equal(together, np.stack(alone))
@@ -253,11 +255,13 @@ def _decoded_model_parallel() -> dict:
     runs = _engine(config, params, 10, partitioner)
     rows, inputs = _rows(_decoded_inputs()), _decoded_inputs()
     beams = {"num_beams": 3, "length_penalty": 1.0}
-    beam_request = engine.Request(decoding.DecodingSettings(**beams), 10)
+    beam_request = engine.Request(decoding_settings.DecodingSettings(**beams), 10)
     _, shardings = param_shapes.sharded_abstract_params(config, partitioner)
     keys = {stack: shardings[stack]["layers_0"] for stack in ("encoder", "decoder")}
     return {
-        "greedy": np.stack(runs.generate(rows, engine.Request(decoding.DecodingSettings(), 10))),
+        "greedy": np.stack(
+            runs.generate(rows, engine.Request(decoding_settings.DecodingSettings(), 10))
+        ),
         "want_greedy": _hf_generate(model, inputs, 10, num_beams=1),
         "beam": np.stack(runs.generate(rows, beam_request)),
         "want_beam": _hf_generate(model, inputs, 10, **beams),
