@@ -278,7 +278,7 @@ def test_quora_helpers_ask_as_their_routes_declare():
     # model shapes the line as its run did (T5Model lower-cases it for a Quora run).
     model = _Says(" 1 ", ("qp_is_duplicate", "generate_similar_question"))
     assert quora.is_duplicate(model, "A?", "B?") is True
-    assert model.asked == [(["is duplicate: A? <SEP> B?"], {"max_length": 4})]
+    assert model.asked == [(["is duplicate: A? <SEP> B?"], {"max_new_tokens": 4})]
     assert quora.similar_question(model, "A?", temperature=0.5) == " 1 "
     assert model.asked[1] == (["generate similar question: A?"], {"temperature": 0.5})
     with pytest.raises(UserError, match="squad_v1 or squad_v2"):
