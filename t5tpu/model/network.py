@@ -386,16 +386,11 @@ def _output_logits(cfg: T5Config, shared_embedding: nn.Module, y):
     )(y)
 
 
-class Transformer(nn.Module):
-    """T5 encoder-decoder. `__call__` gives training logits; `encode`/`decode` serve decoding."""
-
-    config: T5Config
-
-    def setup(self):
-        cfg = self.config
-        self.token_embedder = layers.Embed(cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype)
-        self.encoder = Encoder(cfg, self.token_embedder)
-        self.decoder = Decoder(cfg, self.token_embedder)
+class EncoderDecoderStacks(nn.Module):
+    """What every network here offers EncoderDecoderModel, the engine and LoRA: `encode`,
+    `decode` (the whole target, or one token per call with decode=True) and `__call__`
+    (training logits), over the `encoder` and `decoder` a subclass sets up (T5's Transformer,
+    T5Gemma's T5GemmaTransformer)."""
 
     def encode(self, encoder_input_tokens, encoder_segment_ids=None, deterministic=True):
         return self.encoder(encoder_input_tokens, encoder_segment_ids, deterministic)
@@ -439,3 +434,15 @@ class Transformer(nn.Module):
             decoder_segment_ids,
             deterministic,
         )
+
+
+class Transformer(EncoderDecoderStacks):
+    """T5 encoder-decoder. `__call__` gives training logits; `encode`/`decode` serve decoding."""
+
+    config: T5Config
+
+    def setup(self):
+        cfg = self.config
+        self.token_embedder = layers.Embed(cfg.vocab_size, cfg.emb_dim, cfg.activation_dtype)
+        self.encoder = Encoder(cfg, self.token_embedder)
+        self.decoder = Decoder(cfg, self.token_embedder)

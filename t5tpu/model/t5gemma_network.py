@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from t5tpu.errors import UserError
 from t5tpu.model import gemma_attention, layers
 from t5tpu.model.lora import LoraSettings
-from t5tpu.model.network import REMAT_POLICIES
+from t5tpu.model.network import REMAT_POLICIES, EncoderDecoderStacks
 
 Array = jax.Array
 LOCAL, GLOBAL = "local", "global"
@@ -357,54 +357,11 @@ def _step_positions(decode_position) -> Array:
     return decode_position[:, None]
 
 
-class T5GemmaTransformer(nn.Module):
-    """The T5Gemma encoder-decoder, with network.Transformer's methods and signatures."""
+class T5GemmaTransformer(EncoderDecoderStacks):
+    """The T5Gemma encoder-decoder (its methods: network.EncoderDecoderStacks)."""
 
     config: T5GemmaConfig
 
     def setup(self):
         self.encoder = Encoder(self.config)
         self.decoder = Decoder(self.config)
-
-    def encode(self, encoder_input_tokens, encoder_segment_ids=None, deterministic=True):
-        return self.encoder(encoder_input_tokens, encoder_segment_ids, deterministic)
-
-    def decode(
-        self,
-        encoded,
-        encoder_input_tokens,
-        decoder_input_tokens,
-        encoder_segment_ids=None,
-        decoder_segment_ids=None,
-        deterministic=True,
-        decode=False,
-        decode_position=None,
-    ):
-        return self.decoder(
-            encoded,
-            encoder_input_tokens > 0,
-            decoder_input_tokens,
-            encoder_segment_ids,
-            decoder_segment_ids,
-            deterministic,
-            decode,
-            decode_position,
-        )
-
-    def __call__(
-        self,
-        encoder_input_tokens,
-        decoder_input_tokens,
-        encoder_segment_ids=None,
-        decoder_segment_ids=None,
-        deterministic=True,
-    ):
-        encoded = self.encode(encoder_input_tokens, encoder_segment_ids, deterministic)
-        return self.decode(
-            encoded,
-            encoder_input_tokens,
-            decoder_input_tokens,
-            encoder_segment_ids,
-            decoder_segment_ids,
-            deterministic,
-        )
