@@ -1,6 +1,15 @@
 #!/usr/bin/env bash
-# Set up, lint, and run the whole test suite (what CI runs).
+# Set up, lint, and run the test suite (what CI runs): every test but those marked `slow`
+# (end-to-end runs of the command line, minutes each), of which the `smoke` ones run too.
+#   bash scripts/test.sh            the default run (CI's)
+#   bash scripts/test.sh --all      everything, the slow tests too (~35 minutes on 2 cores)
+#   bash scripts/test.sh ARGS       ARGS go on to pytest (a later -m replaces the default's)
 set -euo pipefail
+SELECTED=(-m "not slow or smoke")
+if [ "${1:-}" = "--all" ]; then
+  SELECTED=()
+  shift
+fi
 cd "$(dirname "$0")/.."
 # Room for the suite's checkpoints, checked before it starts: a full disk would otherwise show
 # as hundreds of failing tests.
@@ -26,6 +35,5 @@ fi
 .venv/bin/ruff format --check .
 # Two workers, each test file on one of them (its module fixtures built once): the suite is
 # bound by one-threaded compiles and subprocess start-ups, so two cores finish it ~1.5x sooner.
-# Everything runs here, the tests marked `slow` (end-to-end runs of the command line) too; for a
-# quick run while developing, leave those out: bash scripts/test.sh -m "not slow"
-.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 "$@"
+.venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 \
+  "${SELECTED[@]}" "$@"

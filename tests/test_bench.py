@@ -76,6 +76,7 @@ def check_engine_calls(calls: list) -> None:
     assert [c[0] for c in calls].count("score") == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parity
 def test_every_workload_reports_against_hf(capfd, tmp_path, monkeypatch):
     output = tmp_path / "bench.jsonl"
@@ -184,6 +185,7 @@ def test_a_missing_gin_file_fails_before_anything_is_written(capfd, tmp_path):
 BF16 = "--gin.T5Config.dtype='bfloat16'"
 
 
+@pytest.mark.slow
 def test_bf16_against_float32_in_the_same_run(capfd, tmp_path):
     """--compare_float32: each workload in bfloat16 (weights cast once for scoring and decoding)
     and in float32, alternating; each set against its own dtype's matmul peak, and their

@@ -69,6 +69,7 @@ def test_a_command_forked_from_the_zygote_answers_as_a_fresh_interpreter(tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_training_reports_progress_and_writes_run_files(trained_dir):
     model_dir, stdout = trained_dir
     progress = [line for line in stdout.splitlines() if line.startswith(f"step {STEPS}/{STEPS}")]

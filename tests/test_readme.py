@@ -27,7 +27,7 @@ from cli_runs import ROOT, TINY_EXPERIMENT, quick_training, succeeded, t5tpu
 
 from t5tpu.cli import commands
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.smoke]
 
 README = os.path.join(ROOT, "README.md")
 README_MODEL_DIR = "/tmp/qp"

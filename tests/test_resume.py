@@ -81,6 +81,7 @@ def test_sigkill_at_random_steps_then_restart_is_bitwise_exact(uninterrupted, tm
     assert_bitwise_equal(load(model_dir), uninterrupted)
 
 
+@pytest.mark.smoke
 def test_sigterm_saves_current_step_and_exits_0_then_resumes_exactly(uninterrupted, tmp_path):
     model_dir = str(tmp_path)
     code, out = interrupt(model_dir, 6, signal.SIGTERM)

@@ -186,12 +186,14 @@ def infer_predictions(model_dir, tmp_path, *flags) -> list[str]:
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_health_is_503_while_loading_then_200(served):
     assert served.health_seen == [503, 200], served.health_seen
     assert "ready in" in served.output()
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_predict_gives_what_infer_writes_greedy(served, model_dir, tmp_path):
     expected = infer_predictions(model_dir, tmp_path)
     answer = predict(served.port, INPUTS)
@@ -508,6 +510,7 @@ def test_each_bad_request_gets_its_4xx_and_the_next_good_one_is_answered(
 
 
 @pytest.mark.slow
+@pytest.mark.smoke
 def test_sigterm_finishes_the_requests_in_flight_and_exits_0(served):
     """The module's last test: it stops the shared server."""
     # Settings never used before: their program compiles while the requests wait.
