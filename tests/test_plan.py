@@ -227,6 +227,8 @@ def test_t5gemma_parameter_gradient_and_optimizer_bytes_are_exact():
     adapter_bytes = sum(np.prod(x.shape) * 4 for x in jax.tree_util.tree_leaves(adapters))
     assert adapted.gradients == adapter_bytes > 0
     assert adapted.params == 953_088 * 2 + adapter_bytes
+    # TPU's activation counts are not calibrated for T5Gemma: the report says so.
+    assert "unverified for T5Gemma on TPU" in plan_runner.report(plan)
 
 
 @pytest.mark.parametrize(
