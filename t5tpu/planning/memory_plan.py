@@ -200,19 +200,29 @@ def _layer_kept(
     feed-forward's activation and gating into the matmuls that read them and recomputes them
     in the backward pass: it keeps the residual sums, the self-attention's normalized input
     (read by three projections), the feed-forward's input projections and one score tensor
-    (the softmax; both while remat recomputes the layer). T5Gemma's layers (CPU's buffer
-    assignment): a norm after each block keeps its input (the block's output projection) and
-    one product more, and soft-capping keeps each score tensor's tanh."""
+    (the softmax; both while remat recomputes the layer). T5Gemma's layers: on CPU a norm
+    after each block keeps its input (the block's output projection) and one product more,
+    and soft-capping keeps each score tensor's tanh; TPU's keeps two tensors a block and one
+    more, two float32 score tensors (the logits and the softmax's shifted logits) and the
+    feed-forward's input projections in float32 (read off its tiny model's assignment)."""
     g = act.geometry
     blocks = 3 if cross_length else 2
     norms = blocks * (2 if g.sandwich_norms else 1)
     if compiler == CPU:
         embed, mlp, scores = 3 * blocks, 3 * g.mlp_inputs - 1, 2 + g.softcapped_scores
         embed += 2 * blocks if g.sandwich_norms else 0
+    elif g.sandwich_norms:  # T5Gemma on TPU: its tiny model's buffer assignment (v5e)
+        embed, mlp, scores = 2 * blocks + 1, g.mlp_inputs - 1, 2
     else:
         embed, mlp, scores = norms + 1, g.mlp_inputs, 2 if recomputed else 1
     embed += norms * _ynn_norm_copies(act, length, compiler)
     kept = embed * act.token(length, "embed", stack.emb_dim)
+    if compiler == TPU and g.sandwich_norms:
+        # the feed-forward's input projections in float32 (their matmuls' output dtype), and
+        # one of them rounded to the activation dtype (`mlp` above)
+        kept += g.mlp_inputs * act(
+            ("batch", "length", "mlp"), (act.batch, length, stack.mlp_dim), 4
+        )
     kept += 2 * act.heads(stack, length) + 2 * act.heads(stack, length, kv=True)
     kept += scores * act.scores(stack, length, length, 4)
     if cross_length:
@@ -242,16 +252,18 @@ def _stack_kept(
 ) -> float:
     """What a stack keeps outside its layers: its embedding lookups and final norm, the
     one-hot relative position buckets (float32, not batched) and, for the decoder, the
-    float32 logits with the gradient of the cross-entropy (and soft-capping's tanh). On CPU
+    float32 logits with the gradient of the cross-entropy (and soft-capping's tanh; on TPU
+    T5Gemma keeps its final norm's two tensors and one logits tensor). On CPU
     T5Gemma's encoder also holds two constants broadcast to its scores' shape and two to its
     tokens' (read by its backward pass, materialized during the forward one)."""
     g = act.geometry
-    embed = 4 + _ynn_norm_copies(act, length, compiler)
+    gemma_tpu = g.gemma and compiler == TPU  # its final norm's two tensors, one logits tensor
+    embed = (2 if gemma_tpu else 4) + _ynn_norm_copies(act, length, compiler)
     kept = embed * act.token(length, "embed", stack.emb_dim)
     kept += length * length * g.position_buckets * 4
     if logits:
         vocab = act(("batch", "length", "vocab"), (act.batch, length, g.vocab_size), 4)
-        kept += (2 + g.softcapped_logits) * vocab
+        kept += (1 if gemma_tpu else 2 + g.softcapped_logits) * vocab
     elif g.gemma and compiler == CPU:
         kept += 2 * act.scores(stack, length, length, 4) + 2 * act.token(
             length, "embed", stack.emb_dim
