@@ -17,13 +17,15 @@ import sys
 import pytest
 from cli_runs import t5tpu
 from fake_devices import run_script_on_eight_devices
+from jax.sharding import PartitionSpec
 from tiny import tiny_config
 
 from t5tpu import package_files, partitioning
 from t5tpu.bench import workloads as bench_workloads
 from t5tpu.cli import bench
 from t5tpu.errors import UserError
-from t5tpu.planning import knobs, memory_plan, placements, roofline
+from t5tpu.model.t5gemma_network import T5GemmaConfig, T5GemmaStack
+from t5tpu.planning import knobs, lora_plan, memory_plan, placements, roofline
 from t5tpu.runners import plan as plan_runner
 from t5tpu.training import optim
 
@@ -36,8 +38,9 @@ TWO_LAYERS = ("--gin.T5Config.num_encoder_layers=2", "--gin.T5Config.num_decoder
 
 @dataclasses.dataclass(frozen=True)
 class XlaCase:
-    """One row of the "Checked against XLA" table in docs/memory_plan.md: a T5 1.1 model gin
-    and the train step it runs on 8 devices ('model' ways of model parallelism)."""
+    """One row of the "Checked against XLA" table in docs/memory_plan.md: a model gin (T5 1.1's
+    or, `family`, T5Gemma's) and the train step it runs on 8 devices ('model' ways of model
+    parallelism)."""
 
     size: str
     batch: int
@@ -48,6 +51,41 @@ class XlaCase:
     microbatches: int = 1
     encoder_layers: int | None = None  # None: the model file's
     scan_layers: bool = False
+    family: str = "t5_1_1"  # the directory under configs/models/
+    bindings: tuple[str, ...] = ()  # more gin bindings
+
+    @property
+    def config_name(self) -> str:
+        return "T5GemmaConfig" if self.family == "t5gemma" else "T5Config"
+
+    def gin_bindings(self, dtype: str) -> list[str]:
+        """The case's settings as gin bindings of its family's config."""
+        c = self.config_name
+        layers = []
+        if self.encoder_layers is not None:
+            stack = "encoder/T5GemmaStack.num_layers" if self.family == "t5gemma" else None
+            layers = [f"{stack or 'T5Config.num_encoder_layers'} = {self.encoder_layers}"]
+        return [
+            f"{c}.remat_policy = '{self.remat}'",
+            f"{c}.scan_layers = {self.scan_layers}",
+            f"{c}.dtype = '{dtype}'",
+            *layers,
+            *self.bindings,
+        ]
+
+
+# A decoder half the encoder's width, with 2 query heads on 1 key/value head.
+GEMMA_NARROW_DECODER = (
+    "T5GemmaConfig.decoder = @decoder/T5GemmaStack()",
+    "decoder/T5GemmaStack.emb_dim = 64",
+    "decoder/T5GemmaStack.num_heads = 2",
+    "decoder/T5GemmaStack.num_kv_heads = 1",
+    "decoder/T5GemmaStack.head_dim = 32",
+    "decoder/T5GemmaStack.mlp_dim = 192",
+    "decoder/T5GemmaStack.num_layers = 2",
+    "decoder/T5GemmaStack.query_pre_attn_scalar = 32.0",
+    "decoder/T5GemmaStack.sliding_window = 16",
+)
 
 
 # Every row of the docs table, by name. tiny's peak is at the start of the backward pass
@@ -66,12 +104,24 @@ XLA_CASES = {
     "tiny_scanned_4x2": XlaCase("tiny", 32, 96, 8, model_parallelism=2, scan_layers=True),
     "tiny_scanned_full": XlaCase("tiny", 64, 128, 16, remat="full", scan_layers=True),
     "tiny_scanned_dots": XlaCase("tiny", 64, 128, 16, remat="dots", scan_layers=True),
+    # T5Gemma tiny (2+2 layers of width 128, 4 query heads on 2 key/value heads), and an
+    # unbalanced one as 9B-2B is: a narrower decoder reading the encoder's wider output.
+    "t5gemma_tiny": XlaCase("tiny", 64, 128, 16, family="t5gemma"),
+    "t5gemma_tiny_4x2": XlaCase("tiny", 32, 96, 8, model_parallelism=2, family="t5gemma"),
+    "t5gemma_tiny_unbalanced": XlaCase(
+        "tiny", 64, 128, 16, family="t5gemma", bindings=GEMMA_NARROW_DECODER
+    ),
 }
 # For TPU's compiler only (--tpu v2:2x2 --cases ...): the SQuAD experiments' 512-token inputs,
 # scaled down to tiny with 12 encoder layers (the docs' second table).
 LONG_INPUT_CASES = {
     f"tiny12_512_{remat}": XlaCase("tiny", 128, 512, 32, 2, remat, encoder_layers=12)
     for remat in ("none", "full")
+} | {
+    # T5Gemma 2B-2B at two layers a stack on a v5e-8 (--tpu v5e:2x4; minutes to compile).
+    "t5gemma_2b_2b_two_layers": XlaCase(
+        "2b_2b", 8, 512, 128, 8, family="t5gemma", encoder_layers=2
+    ),
 }
 # The rows every test run compiles on CPU: each mechanism the plan models on its own (data
 # and model parallelism, microbatches, both kinds of peak, the norms YNNPACK takes at 4096
@@ -86,6 +136,10 @@ CHECKED_CASES = (
     "tiny_2x4",
     "tiny_scanned",
     "tiny_scanned_full",
+    # T5Gemma's layers: data and model parallel, and unbalanced stacks.
+    "t5gemma_tiny",
+    "t5gemma_tiny_4x2",
+    "t5gemma_tiny_unbalanced",
 )
 
 
@@ -118,6 +172,63 @@ def test_parameter_and_optimizer_bytes_are_exact():
     )
     assert whole == 128 * 4 * (2 * 2 + 3 * 2 + 2)  # 12 RMSNorm scales of 128 floats
     assert sharded.params == (plan.params - whole) // 4 + whole
+
+
+# configs/models/t5gemma/tiny.gin's model: 953,088 parameters.
+GEMMA_TINY = dict(
+    vocab_size=1024,
+    encoder=T5GemmaStack(
+        emb_dim=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=32,
+        mlp_dim=256,
+        num_layers=2,
+        query_pre_attn_scalar=32.0,
+        sliding_window=16,
+    ),
+)
+
+
+def test_t5gemma_parameter_gradient_and_optimizer_bytes_are_exact():
+    """T5Gemma's own parameters (an embedding per stack, the output layer tied to the
+    decoder's, norms before and after each block), its key/value heads sharded over 'model'
+    only where they divide it, and a LoRA run's frozen bfloat16 base and float32 adapters."""
+    import flax.linen as nn
+    import jax
+    import numpy as np
+
+    from t5tpu.model import lora, param_shapes
+
+    config = T5GemmaConfig(**GEMMA_TINY)
+    work = memory_plan.Workload(8, 32, 8)
+    plan = _plan(config, work)
+    assert plan.params == plan.gradients == 953_088 * 4
+    opt_state = jax.eval_shape(optim.adafactor().init, param_shapes.abstract_params(config))
+    assert plan.opt_state == sum(
+        np.prod(x.shape) * x.dtype.itemsize for x in jax.tree_util.tree_leaves(opt_state)
+    )
+    key = "encoder/layers_1/attention/key/kernel"
+
+    def spec(plan, name):
+        return next(p.spec for p in plan.placements if p.name == name)
+
+    two, four = (_plan(config, work, num_partitions=n, devices=n) for n in (2, 4))
+    assert spec(two, key) == PartitionSpec(None, "model", None)  # 2 key/value heads
+    assert spec(four, key) == PartitionSpec(None, None, None)
+    assert spec(four, "encoder/layers_1/attention/query/kernel")[1] == "model"
+    settings = lora.LoraSettings(targets=("q", "v", "wi"))
+    adapted = lora_plan.plan_lora_training(
+        config, settings, optim.adafactor(), partitioning.Partitioner(1), work, 1
+    )
+    _, adapters = lora.split(
+        nn.unbox(param_shapes.boxed_abstract_params(dataclasses.replace(config, lora=settings)))
+    )
+    adapter_bytes = sum(np.prod(x.shape) * 4 for x in jax.tree_util.tree_leaves(adapters))
+    assert adapted.gradients == adapter_bytes > 0
+    assert adapted.params == 953_088 * 2 + adapter_bytes
+    # TPU's activation counts are not calibrated for T5Gemma: the report says so.
+    assert "unverified for T5Gemma on TPU" in plan_runner.report(plan)
 
 
 @pytest.mark.parametrize(
@@ -549,7 +660,12 @@ def test_plan_command_on_a_v2_8_experiment():
 
 @pytest.mark.parametrize(
     "model, count",
-    [("mt5/small", "300,176,768"), ("umt5/small", "306,601,984"), ("byt5/small", "299,637,760")],
+    [
+        ("mt5/small", "300,176,768"),
+        ("umt5/small", "306,601,984"),
+        ("byt5/small", "299,637,760"),
+        ("t5gemma/2b_2b", "5,596,853,760"),
+    ],
 )
 def test_plan_of_a_model_gin_alone(model, count):
     """configs/runs/plan.gin, read first, supplies what a model file leaves out (DROPOUT_RATE,
@@ -667,20 +783,14 @@ def _xla_worker(names: list[str], tpu_topology: str | None = None) -> dict:
     results = {}
     for name in names:
         case = cases[name]
-        layers = []
-        if case.encoder_layers is not None:
-            layers = [f"T5Config.num_encoder_layers = {case.encoder_layers}"]
         gin_setup.parse(
-            [f"configs/models/t5_1_1/{case.size}.gin"],
+            [f"configs/models/{case.family}/{case.size}.gin"],
             [
                 "DROPOUT_RATE = 0.0",
-                f"T5Config.remat_policy = '{case.remat}'",
-                f"T5Config.scan_layers = {case.scan_layers}",
                 "default_vocabulary.sentencepiece_model_file = @bundled_vocabulary_file()",
                 "default_vocabulary.extra_ids = 0",
                 # as the TPU topologies run it; CPU's compiler converts bfloat16 to float32
-                f"T5Config.dtype = '{'bfloat16' if tpu_topology else 'float32'}'",
-                *layers,
+                *case.gin_bindings("bfloat16" if tpu_topology else "float32"),
             ],
             [],
         )

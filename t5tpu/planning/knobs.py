@@ -41,16 +41,17 @@ def _candidate_changes(plan: MemoryPlan, rules) -> list[tuple[str, dict]]:
                 {"work": dataclasses.replace(w, num_microbatches=micro)},
             )
         )
+    name = type(c).__name__  # the config's gin name: T5Config or T5GemmaConfig
     if c.remat_policy != "full":
         changes.append(
             (
-                "T5Config.remat_policy = 'full'",
+                f"{name}.remat_policy = 'full'",
                 {"config": dataclasses.replace(c, remat_policy="full")},
             )
         )
     if c.dtype != "bfloat16":
         changes.append(
-            ("T5Config.dtype = 'bfloat16'", {"config": dataclasses.replace(c, dtype="bfloat16")})
+            (f"{name}.dtype = 'bfloat16'", {"config": dataclasses.replace(c, dtype="bfloat16")})
         )
     return changes
 

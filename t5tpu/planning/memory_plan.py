@@ -25,6 +25,8 @@ from jax.sharding import PartitionSpec
 
 from t5tpu import partitioning
 from t5tpu.model.network import T5Config, Transformer
+from t5tpu.planning import layer_geometry
+from t5tpu.planning.layer_geometry import StackGeometry
 from t5tpu.planning.placements import Placement, boxed_params, opt_state_bytes, placements
 
 GiB = partitioning.GiB
@@ -135,6 +137,7 @@ class _Activations:
     def __init__(self, config: T5Config, rules, mesh: dict[str, int], batch: int):
         self.config, self.rules, self.mesh, self.batch = config, rules, mesh, batch
         self.itemsize = config.activation_dtype.itemsize
+        self.geometry = layer_geometry.geometry_of(config)
 
     def __call__(self, axes: tuple[str, ...], shape: tuple[int, ...], itemsize=None) -> int:
         return math.prod(self.local_shape(axes, shape)) * (itemsize or self.itemsize)
@@ -150,15 +153,17 @@ class _Activations:
     def token(self, length: int, axis: str, size: int) -> float:
         return self(("batch", "length", axis), (self.batch, length, size))
 
-    def heads(self, length: int) -> float:
-        c = self.config
-        return self(
-            ("batch", "length", "heads", "kv"), (self.batch, length, c.num_heads, c.head_dim)
-        )
+    def heads(self, stack: StackGeometry, length: int, kv: bool = False) -> float:
+        """Query heads' projections (or, `kv`, the key or value heads')."""
+        heads, axis = (stack.num_kv_heads, stack.kv_axis) if kv else (stack.num_heads, "heads")
+        return self(("batch", "length", axis, "kv"), (self.batch, length, heads, stack.head_dim))
 
-    def scores(self, q_length: int, k_length: int, itemsize=None) -> float:
-        shape = (self.batch, self.config.num_heads, q_length, k_length)
-        return self(("batch", "heads", "length", None), shape, itemsize)
+    def scores(self, stack: StackGeometry, q_length: int, k_length: int, itemsize=None) -> float:
+        """One score per query head and key: [batch, kv heads, query heads a group x queries,
+        keys] as the grouped attention lays them out ([batch, heads, q, k] without groups)."""
+        group = stack.num_heads // stack.num_kv_heads
+        shape = (self.batch, stack.num_kv_heads, group * q_length, k_length)
+        return self(("batch", stack.kv_axis, "length", None), shape, itemsize)
 
 
 # The size from which XLA's CPU compiler prefers YNNPACK for an op (kMinElements in XLA's
@@ -179,7 +184,12 @@ def _ynn_norm_copies(act: _Activations, length: int, compiler: str) -> int:
 
 
 def _layer_kept(
-    act: _Activations, length: int, cross_length: int | None, compiler: str, recomputed=False
+    act: _Activations,
+    stack: StackGeometry,
+    length: int,
+    cross_length: int | None,
+    compiler: str,
+    recomputed=False,
 ) -> float:
     """Bytes one layer keeps for its backward pass, counted from the compilers' buffer
     assignments of the train step (docs/memory_plan.md). Per attention both compilers keep the
@@ -190,47 +200,74 @@ def _layer_kept(
     feed-forward's activation and gating into the matmuls that read them and recomputes them
     in the backward pass: it keeps the residual sums, the self-attention's normalized input
     (read by three projections), the feed-forward's input projections and one score tensor
-    (the softmax; both while remat recomputes the layer)."""
-    c = act.config
-    norms = 3 if cross_length else 2
-    n_mlp = len(c.mlp_activations)
+    (the softmax; both while remat recomputes the layer). T5Gemma's layers: on CPU a norm
+    after each block keeps its input (the block's output projection) and one product more,
+    and soft-capping keeps each score tensor's tanh; TPU's keeps two tensors a block and one
+    more, two float32 score tensors (the logits and the softmax's shifted logits) and the
+    feed-forward's input projections in float32 (read off its tiny model's assignment)."""
+    g = act.geometry
+    blocks = 3 if cross_length else 2
+    norms = blocks * (2 if g.sandwich_norms else 1)
     if compiler == CPU:
-        embed, mlp, scores = 3 * norms, 3 * n_mlp - 1, 2
+        embed, mlp, scores = 3 * blocks, 3 * g.mlp_inputs - 1, 2 + g.softcapped_scores
+        embed += 2 * blocks if g.sandwich_norms else 0
+    elif g.sandwich_norms:  # T5Gemma on TPU: its tiny model's buffer assignment (v5e)
+        embed, mlp, scores = 2 * blocks + 1, g.mlp_inputs - 1, 2
     else:
-        embed, mlp, scores = norms + 1, n_mlp, 2 if recomputed else 1
+        embed, mlp, scores = norms + 1, g.mlp_inputs, 2 if recomputed else 1
     embed += norms * _ynn_norm_copies(act, length, compiler)
-    kept = embed * act.token(length, "embed", c.emb_dim)
-    kept += 4 * act.heads(length) + scores * act.scores(length, length, 4)
+    kept = embed * act.token(length, "embed", stack.emb_dim)
+    if compiler == TPU and g.sandwich_norms:
+        # the feed-forward's input projections in float32 (their matmuls' output dtype), and
+        # one of them rounded to the activation dtype (`mlp` above)
+        kept += g.mlp_inputs * act(
+            ("batch", "length", "mlp"), (act.batch, length, stack.mlp_dim), 4
+        )
+    kept += 2 * act.heads(stack, length) + 2 * act.heads(stack, length, kv=True)
+    kept += scores * act.scores(stack, length, length, 4)
     if cross_length:
-        kept += 2 * act.heads(length) + 2 * act.heads(cross_length)
-        kept += scores * act.scores(length, cross_length, 4)
-    kept += mlp * act.token(length, "mlp", c.mlp_dim)
+        kept += 2 * act.heads(stack, length) + 2 * act.heads(stack, cross_length, kv=True)
+        kept += scores * act.scores(stack, length, cross_length, 4)
+    kept += mlp * act.token(length, "mlp", stack.mlp_dim)
     return kept
 
 
-def _layer_dots(act: _Activations, length: int, cross_length: int | None = None) -> float:
+def _layer_dots(
+    act: _Activations, stack: StackGeometry, length: int, cross_length: int | None = None
+) -> float:
     """Bytes remat 'dots' keeps of one layer: the outputs of its projections (matmuls without
     batch dimensions): query/key/value and output projections, the feed-forward input
     projections and its output projection."""
-    c = act.config
-    kept = 3 * act.heads(length) + 2 * act.token(length, "embed", c.emb_dim)
+    kept = act.heads(stack, length) + 2 * act.heads(stack, length, kv=True)
+    kept += 2 * act.token(length, "embed", stack.emb_dim)
     if cross_length:
-        kept += act.heads(length) + 2 * act.heads(cross_length)
-        kept += act.token(length, "embed", c.emb_dim)
-    kept += len(c.mlp_activations) * act.token(length, "mlp", c.mlp_dim)
+        kept += act.heads(stack, length) + 2 * act.heads(stack, cross_length, kv=True)
+        kept += act.token(length, "embed", stack.emb_dim)
+    kept += act.geometry.mlp_inputs * act.token(length, "mlp", stack.mlp_dim)
     return kept
 
 
-def _stack_kept(act: _Activations, length: int, logits: bool, compiler: str) -> float:
+def _stack_kept(
+    act: _Activations, stack: StackGeometry, length: int, logits: bool, compiler: str
+) -> float:
     """What a stack keeps outside its layers: its embedding lookups and final norm, the
     one-hot relative position buckets (float32, not batched) and, for the decoder, the
-    float32 logits with the gradient of the cross-entropy."""
-    c = act.config
-    embed = 4 + _ynn_norm_copies(act, length, compiler)
-    kept = embed * act.token(length, "embed", c.emb_dim)
-    kept += length * length * c.relative_attention_num_buckets * 4
+    float32 logits with the gradient of the cross-entropy (and soft-capping's tanh; on TPU
+    T5Gemma keeps its final norm's two tensors and one logits tensor). On CPU
+    T5Gemma's encoder also holds two constants broadcast to its scores' shape and two to its
+    tokens' (read by its backward pass, materialized during the forward one)."""
+    g = act.geometry
+    gemma_tpu = g.gemma and compiler == TPU  # its final norm's two tensors, one logits tensor
+    embed = (2 if gemma_tpu else 4) + _ynn_norm_copies(act, length, compiler)
+    kept = embed * act.token(length, "embed", stack.emb_dim)
+    kept += length * length * g.position_buckets * 4
     if logits:
-        kept += 2 * act(("batch", "length", "vocab"), (act.batch, length, c.vocab_size), 4)
+        vocab = act(("batch", "length", "vocab"), (act.batch, length, g.vocab_size), 4)
+        kept += (1 if gemma_tpu else 2 + g.softcapped_logits) * vocab
+    elif g.gemma and compiler == CPU:
+        kept += 2 * act.scores(stack, length, length, 4) + 2 * act.token(
+            length, "embed", stack.emb_dim
+        )
     return kept
 
 
@@ -290,16 +327,18 @@ def _layer_param_count(config: T5Config) -> int:
     return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(boxed_params(config)))
 
 
-def _stack_layers_kept(act: _Activations, num_layers: int, length: int, cross_length, compiler):
+def _stack_layers_kept(
+    act: _Activations, stack: StackGeometry, length: int, cross_length, compiler
+) -> float:
     """What a stack's layers keep (scanned without remat: `_scanned_layer_saved`): everything
     without remat; with remat each layer's input (and with 'dots' its projections; the caller
     adds the one layer recomputed at a time)."""
-    c = act.config
-    if c.remat_policy == "none":
-        return num_layers * _layer_kept(act, length, cross_length, compiler)
-    kept = num_layers * act.token(length, "embed", c.emb_dim)
-    if c.remat_policy == "dots":
-        kept += num_layers * _layer_dots(act, length, cross_length)
+    num_layers = stack.num_layers
+    if act.config.remat_policy == "none":
+        return num_layers * _layer_kept(act, stack, length, cross_length, compiler)
+    kept = num_layers * act.token(length, "embed", stack.emb_dim)
+    if act.config.remat_policy == "dots":
+        kept += num_layers * _layer_dots(act, stack, length, cross_length)
     return kept
 
 
@@ -317,22 +356,23 @@ def activation_bytes(
         config = dataclasses.replace(config, remat_policy="none")
     micro = work.batch_size // work.num_microbatches
     act = _Activations(config, rules, mesh, micro)
+    g = act.geometry
     L, T = work.input_length, work.target_length
     if config.scan_layers and config.remat_policy == "none":
         encoder_layer, decoder_layer = _scanned_layer_saved(act, L, T)
         encoder = config.num_encoder_layers * encoder_layer
         decoder = config.num_decoder_layers * decoder_layer
     else:
-        encoder = _stack_layers_kept(act, config.num_encoder_layers, L, None, compiler)
-        decoder = _stack_layers_kept(act, config.num_decoder_layers, T, L, compiler)
-    encoder += _stack_kept(act, L, logits=False, compiler=compiler)
-    decoder += _stack_kept(act, T, logits=True, compiler=compiler)
+        encoder = _stack_layers_kept(act, g.encoder, L, None, compiler)
+        decoder = _stack_layers_kept(act, g.decoder, T, L, compiler)
+    encoder += _stack_kept(act, g.encoder, L, logits=False, compiler=compiler)
+    decoder += _stack_kept(act, g.decoder, T, logits=True, compiler=compiler)
     if config.remat_policy != "none":
         # One layer at a time is recomputed in full during the backward pass; counted with the
         # encoder's activations, as the encoder's last layer is next when the decoder is done.
         encoder += max(
-            _layer_kept(act, L, None, compiler, recomputed=True),
-            _layer_kept(act, T, L, compiler, recomputed=True),
+            _layer_kept(act, g.encoder, L, None, compiler, recomputed=True),
+            _layer_kept(act, g.decoder, T, L, compiler, recomputed=True),
         )
     return int(encoder + decoder), int(encoder)
 
@@ -351,7 +391,7 @@ def plan_training(
     boxed = boxed_params(config)
     rows = placements(boxed, partitioner.rules, mesh)
     params = sum(p.bytes_per_device for p in rows)
-    output_layers = ("token_embedder/embedding", "decoder/logits_dense/kernel")
+    output_layers = layer_geometry.geometry_of(config).output_layers
     first_gradients = 0
     if compiler == CPU:
         first_gradients = sum(p.bytes_per_device for p in rows if p.name in output_layers)

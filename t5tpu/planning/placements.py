@@ -14,7 +14,9 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from t5tpu import partitioning
-from t5tpu.model.network import T5Config, Transformer
+from t5tpu.model.model_family import network_module
+from t5tpu.model.network import T5Config
+from t5tpu.model.t5gemma_network import T5GemmaConfig
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,20 +40,29 @@ def _path_name(path) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "name", k))) for k in path)
 
 
-def boxed_params(config: T5Config):
+def boxed_params(config: T5Config | T5GemmaConfig):
     """Parameter shapes with their logical axes, from the network alone (no vocabulary file).
     Neither remat, dropout nor the sequence lengths change them: traced without the first two
     (remat's tracing is most of the cost) and shared by every plan of the same geometry."""
     return _traced_params(dataclasses.replace(config, remat_policy="none", dropout_rate=0.0))
 
 
+def _one_layer_a_stack(config: T5Config | T5GemmaConfig):
+    if isinstance(config, T5GemmaConfig):  # local and global layers have the same parameters
+        encoder, decoder = (
+            dataclasses.replace(s, num_layers=1, layer_types=None)
+            for s in (config.encoder, config.decoder)
+        )
+        return dataclasses.replace(config, encoder=encoder, decoder=decoder)
+    return dataclasses.replace(config, num_encoder_layers=1, num_decoder_layers=1)
+
+
 @functools.lru_cache(maxsize=8)
-def _traced_params(config: T5Config):
+def _traced_params(config: T5Config | T5GemmaConfig):
     """The network traced with one layer a stack, its other layers given that layer's shapes:
     every layer of a stack has the same parameters, and tracing each layer's forward pass is
     what takes the time (seconds for 24-layer stacks)."""
-    one = dataclasses.replace(config, num_encoder_layers=1, num_decoder_layers=1)
-    module = Transformer(one)
+    module = network_module(_one_layer_a_stack(config))
     tokens = jnp.ones((1, 1), jnp.int32)
     params = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), tokens, tokens))["params"]
     depth = {"encoder": config.num_encoder_layers, "decoder": config.num_decoder_layers}

@@ -26,6 +26,7 @@ from t5tpu.config import gin_setup
 from t5tpu.data import pipeline
 from t5tpu.errors import UserError
 from t5tpu.model.network import T5Config
+from t5tpu.model.t5gemma_network import T5GemmaConfig
 from t5tpu.partitioning import GiB, Partitioner
 from t5tpu.planning import compiled_memory, knobs, lora_plan, memory_plan, placements, roofline
 from t5tpu.runners import lora_run
@@ -115,7 +116,7 @@ def report(
     return "\n".join(lines)
 
 
-def _dtypes(config: T5Config) -> str:
+def _dtypes(config: T5Config | T5GemmaConfig) -> str:
     if config.lora is None:
         return "float32"
     s = config.lora
@@ -130,6 +131,12 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
     config = plan.config
     if plan.compiler != memory_plan.TPU:
         return []
+    if isinstance(config, T5GemmaConfig):
+        return [
+            "  unverified for T5Gemma on TPU at this size: its activations were read off one "
+            "tiny compile (0.74-0.81 of TPU's compiler there, 1.07 at 2B-2B with two layers, "
+            "docs/memory_plan.md); --gin.plan.compile=True gives the compiler's own figure"
+        ]
     if config.scan_layers or not plan.parameters_over_data:
         return []  # scanned, or 1-D: the estimate tracks TPU's compiler (docs/memory_plan.md)
     lines = [
@@ -138,7 +145,7 @@ def _caveats(plan: memory_plan.MemoryPlan) -> list[str]:
         "v5e-64 needed 1.54x this peak, docs/memory_plan.md); --gin.plan.compile=True gives "
         "the compiler's own figure"
     ]
-    if config.remat_policy == "full":
+    if config.remat_policy == "full" and isinstance(config, T5Config):  # T5Gemma's never scan
         lines.append(
             "  with remat, T5Config.scan_layers = True gathers one layer's at a time (11B on a "
             "v4-128 took a third of the memory scanned)"
@@ -175,6 +182,8 @@ def _roofline_lines(
     generation = (plan.topology.tpu_topology or "").split(":")[0]
     chip = roofline.chip_of(plan.topology.tpu_topology)
     if compiled.out_of_memory or chip is None or not compiled.flops:
+        return []
+    if not isinstance(plan.config, T5Config):  # the analytic FLOPs count T5's layers only
         return []
     from t5tpu.bench.workloads import forward_flops
 
@@ -326,16 +335,14 @@ def plan(
 
 
 def _plan_training(optimizer, partitioner, work, num_devices) -> memory_plan.MemoryPlan:
-    """The plan of a full fine-tuning run, or of a LoRA run (train.method)."""
+    """The plan of a full fine-tuning run, or of a LoRA run (train.method), of the model file's
+    config: a T5Gemma one as bound, else T5Config's bindings."""
     bound = gin_setup.bound_value("EncoderDecoderModel.config")
-    if bound is not None and not isinstance(bound, T5Config):  # T5Config() would be another
-        raise UserError("t5tpu plan plans T5 models only; T5Gemma's plans are not written yet")
+    config = bound if isinstance(bound, T5GemmaConfig) else T5Config()
     settings = lora_run.settings_of(_train_binding("method"))
     if settings is None:
-        return memory_plan.plan_training(T5Config(), optimizer, partitioner, work, num_devices)
-    return lora_plan.plan_lora_training(
-        T5Config(), settings, optimizer, partitioner, work, num_devices
-    )
+        return memory_plan.plan_training(config, optimizer, partitioner, work, num_devices)
+    return lora_plan.plan_lora_training(config, settings, optimizer, partitioner, work, num_devices)
 
 
 def _compile(
