@@ -59,10 +59,12 @@ VARIANTS = {
 }  # fmt: skip
 
 
-def _hf_model(variant: str) -> transformers.T5GemmaForConditionalGeneration:
-    encoder, decoder = VARIANTS[variant]
+def _hf_model(
+    variant: str, vocab_size: int = VOCAB
+) -> transformers.T5GemmaForConditionalGeneration:
+    encoder, decoder = ({**stack, "vocab_size": vocab_size} for stack in VARIANTS[variant])
     config = transformers.T5GemmaConfig(
-        encoder=encoder, decoder=decoder, vocab_size=VOCAB, attn_implementation="eager"
+        encoder=encoder, decoder=decoder, vocab_size=vocab_size, attn_implementation="eager"
     )
     torch.manual_seed(0 if variant == "balanced" else 1)
     model = transformers.T5GemmaForConditionalGeneration(config).eval()

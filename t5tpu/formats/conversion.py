@@ -11,6 +11,9 @@ checkpoints are opened and read by formats/loader.py, as every command reads the
   the vocabulary) comes from the gin files given, else from the model.gin or config.gin beside
   the checkpoint. A LoRA run's checkpoint is written merged into its base, or its adapters
   alone in PEFT's format.
+
+T5Gemma goes both ways too: its Hugging Face directory in (model.gin then binds T5GemmaConfig
+and both stacks' geometry) and out through hf_t5gemma.py, its adapters named as transformers'.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from t5tpu.errors import EnvironmentFault, UserError
 from t5tpu.formats import (
     hf_format,
     hf_run_record,
+    hf_t5gemma,
     hf_tokenizer,
     loader,
     peft_format,
@@ -37,6 +41,7 @@ from t5tpu.formats import (
 from t5tpu.formats.vocabulary_source import VocabularySource
 from t5tpu.model import lora, param_shapes
 from t5tpu.model.network import T5Config
+from t5tpu.model.t5gemma_network import T5GemmaConfig
 from t5tpu.storage import atomic_files, checkpoints, locations, remote, save_guards
 from t5tpu.storage.model_dir import MODEL_GIN, checkpoint_dir
 
@@ -62,31 +67,64 @@ _GEOMETRY = (
 
 
 def model_gin(
-    config: T5Config,
+    config: T5Config | T5GemmaConfig,
     checkpoint_path: str,
     vocabulary: VocabularySource,
     command: str,
     assumed: str = "",
 ) -> str:
+    gemma = isinstance(config, T5GemmaConfig)
     lines = [
         f"# Written by `{command}`.",
-        "# The converted model's geometry, vocabulary and weights. Give it after an experiment:",
+        "# The converted model's geometry, vocabulary and weights. Give it after an experiment"
+        + (" of a T5Gemma model gin:" if gemma else ":"),
         "#   t5tpu train --gin_file=EXPERIMENT.gin "
         f"--gin_file={os.path.join(_parent(checkpoint_path), MODEL_GIN)}",
     ]
     if assumed:
         lines.append(f"# Not in the checkpoint, assumed as in T5: {assumed}.")
     lines.append("")
-    lines += [f"T5Config.{field} = {getattr(config, field)!r}" for field in _GEOMETRY]
+    if gemma:
+        lines += t5gemma_geometry(config)
+    else:
+        lines += [f"T5Config.{field} = {getattr(config, field)!r}" for field in _GEOMETRY]
     lines.append("")
     lines += vocabulary.gin_bindings()
     if vocabulary.kind == vocabulary_source.NONE:
+        usual = (
+            "Gemma's tokenizer.model, no extra ids"
+            if gemma
+            else "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model, 100 extra ids"
+        )
         lines += [
-            "# The checkpoint carries no vocabulary: the experiment's model gin binds it (T5's:",
-            "# gs://t5-data/vocabs/cc_all.32000/sentencepiece.model, 100 extra ids).",
+            "# The checkpoint carries no vocabulary: the experiment's model gin binds it",
+            f"# (usually {usual}).",
         ]
     lines += ["", f"INITIAL_CHECKPOINT_PATH = {checkpoint_path!r}", ""]
     return "\n".join(lines)
+
+
+# T5GemmaConfig's fields written into model.gin; dtype, dropout, remat and LoRA are the run's.
+_T5GEMMA_GEOMETRY = ("vocab_size", "final_logit_softcapping", "decoder_start_id")
+
+
+def t5gemma_geometry(config: T5GemmaConfig) -> list[str]:
+    """The bindings of a T5Gemma model: the config itself (a T5 experiment's model is replaced)
+    and every field of each stack, so that no size file's binding outlives the checkpoint's."""
+    lines = ["EncoderDecoderModel.config = @T5GemmaConfig()"]
+    lines += [f"T5GemmaConfig.{field} = {getattr(config, field)!r}" for field in _T5GEMMA_GEOMETRY]
+    stacks = {"encoder": config.encoder}
+    if config.decoder != config.encoder:
+        stacks["decoder"] = config.decoder
+    else:  # None: the encoder's geometry, whatever a size file's decoder/ bindings say
+        lines.append("T5GemmaConfig.decoder = None")
+    for scope, stack in stacks.items():
+        lines.append(f"T5GemmaConfig.{scope} = @{scope}/T5GemmaStack()")
+        lines += [
+            f"{scope}/T5GemmaStack.{field.name} = {getattr(stack, field.name)!r}"
+            for field in dataclasses.fields(stack)
+        ]
+    return lines
 
 
 def _parent(path: str) -> str:
@@ -216,11 +254,6 @@ def to_t5tpu(
     _check_output(output_dir, input_path, overwrite)
     reader = loader.IMPORTERS[source](input_path)
     config = reader.config()
-    if not isinstance(config, T5Config):
-        raise UserError(
-            f"{input_path} is a T5Gemma checkpoint, which `t5tpu convert` does not write as "
-            "t5tpu's yet; INITIAL_CHECKPOINT_PATH and t5tpu.load read its directory as it is"
-        )
     step = reader.step
     params = reader.load(param_shapes.abstract_params(config, unrolled=True))
     vocabulary = reader.vocabulary()
@@ -314,22 +347,38 @@ def to_hf(
         params = lora.base_as_trained(parts.base, parts.settings.base_dtype)
     else:
         params = checkpoint.load(abstract)
+    _write_hf(checkpoint, model, jax.device_get(params), output_dir)
+
+
+def _write_hf(checkpoint: loader.Checkpoint, model, params, output_dir: str) -> None:
+    """The Hugging Face directory of `params`, a model of `checkpoint`, with its run record."""
     record = checkpoint.run_record()
+    gemma = isinstance(model.config, T5GemmaConfig)
+    # T5Gemma's directories are written by its own module (its names, ids and vocabulary file).
+    export = hf_t5gemma.export if gemma else hf_format.export
     with _written_output(output_dir) as folder:
-        hf_format.export(
-            jax.device_get(params),
+        export(
+            params,
             model.config,
             folder,
             vocabulary_source.of_vocabulary(model.vocabulary),
             record=record,
         )
+    loads = (
+        f"transformers.T5GemmaForConditionalGeneration.from_pretrained('{output_dir}')"
+        if gemma
+        else f"transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}'), or "
+        f"pipeline('text2text-generation', model='{output_dir}'), which answers as t5tpu does"
+    )
     print(
         f"wrote {output_dir} from {checkpoint.path} ({_count(params):,} parameters); load it "
-        f"with transformers.T5ForConditionalGeneration.from_pretrained('{output_dir}'), or "
-        f"pipeline('text2text-generation', model='{output_dir}'), which answers as t5tpu does",
+        f"with {loads}",
         flush=True,
     )
-    for note in hf_run_record.notes(record) + _tokenizer_notes(model.vocabulary, output_dir):
+    notes = hf_run_record.notes(record)
+    if not gemma:  # the tokenizer notes are about T5Tokenizer's files, which T5Gemma's lack
+        notes += _tokenizer_notes(model.vocabulary, output_dir)
+    for note in notes:
         print(f"t5tpu: note: {note}", flush=True)
 
 

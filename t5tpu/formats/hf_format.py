@@ -399,6 +399,21 @@ def _shard_files(directory: str, base: str) -> list[str]:
 # import and export
 
 
+def directory_run_record(directory: str) -> RunRecord | None:
+    """What config.json, generation_config.json and tokenizer_config.json of a Hugging Face
+    directory say of the run (hf_run_record.py; a t5tpu export carries its whole record)."""
+    files = {}
+    for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, hf_tokenizer.TOKENIZER_CONFIG_FILE):
+        path = os.path.join(directory, name)
+        files[name] = _read_json(path) if _exists(path) else {}
+    return hf_run_record.record_from_files(
+        files[CONFIG_FILE],
+        files[GENERATION_CONFIG_FILE],
+        files[hf_tokenizer.TOKENIZER_CONFIG_FILE],
+        where=os.path.join(directory, CONFIG_FILE),
+    )
+
+
 class HFCheckpoint(checkpoint_reader.CheckpointReader):
     """A Hugging Face T5 directory. config.json and the weight files are read when first
     needed (a pytorch_model.bin is read whole): the step and the vocabulary need neither."""
@@ -457,18 +472,7 @@ class HFCheckpoint(checkpoint_reader.CheckpointReader):
         return hf_tokenizer.read(self.directory)
 
     def run_record(self) -> RunRecord | None:
-        """What config.json, generation_config.json and tokenizer_config.json say of the run
-        (hf_run_record.py; a t5tpu export carries its whole record)."""
-        files = {}
-        for name in (CONFIG_FILE, GENERATION_CONFIG_FILE, hf_tokenizer.TOKENIZER_CONFIG_FILE):
-            path = os.path.join(self.directory, name)
-            files[name] = _read_json(path) if _exists(path) else {}
-        return hf_run_record.record_from_files(
-            files[CONFIG_FILE],
-            files[GENERATION_CONFIG_FILE],
-            files[hf_tokenizer.TOKENIZER_CONFIG_FILE],
-            where=os.path.join(self.directory, CONFIG_FILE),
-        )
+        return directory_run_record(self.directory)
 
     def stored_name(self, name: str) -> str:
         return NAMES(name)

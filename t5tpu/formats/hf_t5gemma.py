@@ -13,7 +13,6 @@ hf_format.py's.
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 
@@ -23,10 +22,12 @@ from etils import epath
 from flax import traverse_util
 
 from t5tpu.errors import UserError
-from t5tpu.formats import checkpoint_reader, hf_format
+from t5tpu.formats import checkpoint_reader, hf_format, hf_run_record, hf_tokenizer
 from t5tpu.formats.vocabulary_source import SENTENCEPIECE, VocabularySource
-from t5tpu.model import param_shapes
+from t5tpu.model import lora, param_shapes
 from t5tpu.model.t5gemma_network import GLOBAL, LOCAL, T5GemmaConfig, T5GemmaStack
+from t5tpu.storage import atomic_files
+from t5tpu.storage.run_record import RunRecord
 
 MODEL_TYPE = "t5gemma"
 TOKENIZER_FILE = "tokenizer.model"  # Gemma's SentencePiece model, as Hugging Face ships it
@@ -158,6 +159,13 @@ def hf_name(name: str) -> str:
     return f"{stack}.layers.{index}.{inner}.weight"
 
 
+def module_names(target: str) -> list[str]:
+    """transformers' module names of the kernels a LoRA target (lora.TARGETS) adapts."""
+    kernels = {t: [name] for name, t in lora.ATTENTION_TARGETS.items()}
+    kernels.update(wi=["wi_0", "wi_1"], wo=["wo"])  # a gated feed-forward, always
+    return [_PARTS[name] for name in kernels[target]]
+
+
 def hf_shape(name: str, shape: tuple[int, ...]) -> tuple[int, ...]:
     """The shape Hugging Face stores parameter `name` (of t5tpu's `shape`) in: a kernel's as a
     torch Linear weight [out, in] (attention's out kernel has two input dims), others alike."""
@@ -230,6 +238,9 @@ class T5GemmaCheckpoint(checkpoint_reader.CheckpointReader):
             raise UserError(f"no {hf_format.SAFETENSORS_FILE} in {self.directory}")
         return files
 
+    def run_record(self) -> RunRecord | None:
+        return hf_format.directory_run_record(self.directory)
+
     def shapes(self) -> dict[str, tuple[int, ...]]:
         return {
             name: opened.shapes()[name]
@@ -256,12 +267,38 @@ def load(directory: str) -> tuple[T5GemmaConfig, dict]:
     return config, reader.load(param_shapes.abstract_params(config, unrolled=True))
 
 
-def export(params, config: T5GemmaConfig, output_dir: str) -> None:
+def generation_config(config: T5GemmaConfig, record: RunRecord | None) -> dict:
+    """generation_config.json: the run's decoding (hf_run_record.py) with T5Gemma's ids."""
+    start = config.decoder_start_id
+    ids = {"decoder_start_token_id": start, "bos_token_id": start, "eos_token_id": 1}
+    return {**hf_run_record.generation_config(record), **ids, "pad_token_id": 0}
+
+
+def export(
+    params,
+    config: T5GemmaConfig,
+    output_dir: str,
+    vocabulary: VocabularySource | None = None,
+    *,
+    record: RunRecord | None = None,
+    setting: str = "--output_dir",
+) -> None:
     """config.json + model.safetensors, which T5GemmaForConditionalGeneration.from_pretrained
-    loads (lm_head tied to the decoder's embedding)."""
-    os.makedirs(output_dir, exist_ok=True)
-    with open(os.path.join(output_dir, hf_format.CONFIG_FILE), "w") as f:
-        json.dump(hf_config(config), f, indent=2, sort_keys=True)
+    loads (lm_head tied to the decoder's embedding), generation_config.json with the run's
+    `record` (as hf_format.export writes T5's), and a SentencePiece vocabulary as
+    tokenizer.model, where this reader finds it again. Each file is written atomically."""
+    output = epath.Path(output_dir)
+    with atomic_files.write_faults(output_dir, setting):
+        output.mkdir(parents=True, exist_ok=True)
+    described = {**hf_config(config), **hf_run_record.config_fields(record)}
+    hf_tokenizer.write_json(output / hf_format.CONFIG_FILE, described, setting=setting)
+    generation = generation_config(config, record)
+    hf_tokenizer.write_json(output / hf_format.GENERATION_CONFIG_FILE, generation, setting=setting)
     hf_format.write_safetensors(
-        os.path.join(output_dir, hf_format.SAFETENSORS_FILE), tensors_from_params(params)
+        os.path.join(output_dir, hf_format.SAFETENSORS_FILE),
+        tensors_from_params(params),
+        setting=setting,
     )
+    if vocabulary is not None and vocabulary.kind == SENTENCEPIECE:
+        model = epath.Path(vocabulary.model_file).read_bytes()
+        atomic_files.write_atomically(output / TOKENIZER_FILE, model, setting=setting)

@@ -5,7 +5,8 @@
 PEFT names an adapter after the torch module it adapts (base_model.model.<module>.lora_A.weight)
 and stores torch Linear layouts: lora_A [rank, in_features], lora_B [out_features, rank]. A
 t5tpu adapter is lora_a [in dims..., rank] and lora_b [rank, out dims...] beside the kernel
-whose Hugging Face name hf_format.NAMES gives, so each is flattened to 2-D and transposed.
+whose Hugging Face name hf_format.NAMES gives (hf_t5gemma.hf_name for T5Gemma, whose
+transformers modules are q_proj ... down_proj), so each is flattened to 2-D and transposed.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import numpy as np
 from etils import epath
 from flax import traverse_util
 
-from t5tpu.formats import hf_format, hf_tokenizer
+from t5tpu.formats import hf_format, hf_t5gemma, hf_tokenizer
 from t5tpu.model import lora
 from t5tpu.model.network import T5Config
+from t5tpu.model.t5gemma_network import T5GemmaConfig
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -26,8 +28,11 @@ _PREFIX = "base_model.model."
 _PEFT_NAMES = {"lora_a": "lora_A", "lora_b": "lora_B"}
 
 
-def target_modules(settings: lora.LoraSettings, config: T5Config) -> list[str]:
-    """PEFT's target_modules: the Hugging Face module names (a gated wi is wi_0 and wi_1)."""
+def target_modules(settings: lora.LoraSettings, config: T5Config | T5GemmaConfig) -> list[str]:
+    """PEFT's target_modules: the Hugging Face module names (a gated wi is wi_0 and wi_1;
+    T5Gemma's are its kernels' module names, wi its gate_proj and up_proj)."""
+    if isinstance(config, T5GemmaConfig):
+        return sorted(name for t in settings.targets for name in hf_t5gemma.module_names(t))
     gated = len(config.mlp_activations) > 1
     names = []
     for target in settings.targets:
@@ -35,7 +40,7 @@ def target_modules(settings: lora.LoraSettings, config: T5Config) -> list[str]:
     return sorted(names)
 
 
-def adapter_config(settings: lora.LoraSettings, config: T5Config) -> dict:
+def adapter_config(settings: lora.LoraSettings, config: T5Config | T5GemmaConfig) -> dict:
     """The adapter_config.json of `settings` (PEFT fills its other fields with defaults)."""
     return {
         "peft_type": "LORA",
@@ -53,10 +58,11 @@ def adapter_config(settings: lora.LoraSettings, config: T5Config) -> dict:
     }
 
 
-def _tensor(name: str, array) -> tuple[str, np.ndarray]:
-    """(PEFT's key, torch layout) of one adapter array named by its t5tpu path."""
+def _tensor(name: str, array, names) -> tuple[str, np.ndarray]:
+    """(PEFT's key, torch layout) of one adapter array named by its t5tpu path; `names` gives
+    a kernel's Hugging Face name."""
     module_path, leaf = name.rsplit("/", 1)
-    hf_name = hf_format.NAMES(f"{module_path}/kernel")
+    hf_name = names(f"{module_path}/kernel")
     module = hf_name.removesuffix(".weight")
     array = np.asarray(array, np.float32)
     rank = array.shape[-1] if leaf == "lora_a" else array.shape[0]
@@ -67,14 +73,15 @@ def _tensor(name: str, array) -> tuple[str, np.ndarray]:
 def export(
     adapters,
     settings: lora.LoraSettings,
-    config: T5Config,
+    config: T5Config | T5GemmaConfig,
     output_dir: str,
     *,
     setting: str = "--output_dir",
 ) -> None:
     """Writes `adapters` (numpy, layers unrolled) as PEFT's two files into `output_dir`."""
     flat = traverse_util.flatten_dict(adapters, sep="/")
-    tensors = dict(sorted(_tensor(name, array) for name, array in flat.items()))
+    names = hf_t5gemma.hf_name if isinstance(config, T5GemmaConfig) else hf_format.NAMES
+    tensors = dict(sorted(_tensor(name, array, names) for name, array in flat.items()))
     epath.Path(output_dir).mkdir(parents=True, exist_ok=True)
     config_path = epath.Path(output_dir) / CONFIG_FILE
     hf_tokenizer.write_json(config_path, adapter_config(settings, config), setting=setting)
