@@ -19,6 +19,7 @@ from t5tpu.errors import UserError
 from t5tpu.model import encoder_decoder, lora, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
+from t5tpu.runners.step_setup import StepParts
 from t5tpu.storage import checkpoints, lora_checkpoints
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.lora_base_fingerprint import BaseReference
@@ -75,15 +76,13 @@ def _base_reference(mngr, start) -> BaseReference:
 
 @dataclasses.dataclass(frozen=True)
 class LoraStepSetup:
-    """runners/train.py's StepSetup of a LoRA run: the step trains the adapters (`abstract`
-    and `shardings` are their train state's) on `base`, which is loaded once."""
+    """runners/step_setup.py's StepSetup of a LoRA run: the step trains the adapters of
+    `adapted` (its loss runs base and adapters; `abstract` and `shardings` are the adapters'
+    train state's) on `base`, which is loaded once; evaluation runs the parts' plain model on
+    the merged parameters."""
 
-    model: EncoderDecoderModel  # the adapted one: its loss runs base and adapters
-    eval_model: EncoderDecoderModel  # the plain one: evaluation runs merged parameters
-    optimizer: object
-    partitioner: Partitioner
-    lengths: tuple[int, int]
-    num_microbatches: int
+    parts: StepParts
+    adapted: EncoderDecoderModel
     abstract: trainer.TrainState
     shardings: trainer.TrainState
     shapes: lora_base.LoraBaseShapes
@@ -92,13 +91,13 @@ class LoraStepSetup:
     base: object
 
     @classmethod
-    def build(
-        cls, *, model, optimizer, partitioner, lengths, num_microbatches, settings, mngr, start
-    ) -> LoraStepSetup:
+    def build(cls, parts: StepParts, *, settings, mngr, start) -> LoraStepSetup:
         reference = _base_reference(mngr, start)
-        adapted = encoder_decoder.adapted_model(model, settings)
-        shapes = lora_base.state_shardings(adapted, optimizer, partitioner)
-        abstract, eval_shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
+        adapted = encoder_decoder.adapted_model(parts.model, settings)
+        shapes = lora_base.state_shardings(adapted, parts.optimizer, parts.partitioner)
+        abstract, eval_shardings = param_shapes.sharded_abstract_params(
+            parts.model.config, parts.partitioner
+        )
         from t5tpu.formats import loader  # as runners/train.py: TensorFlow on first use
 
         if start.resume:
@@ -116,12 +115,8 @@ class LoraStepSetup:
         base = jax.jit(as_trained, out_shardings=shapes.base_shardings, donate_argnums=(0,))(loaded)
         print(f"LoRA on the frozen base {reference.path} ({settings})", flush=True)
         return cls(
-            model=adapted,
-            eval_model=model,
-            optimizer=optimizer,
-            partitioner=partitioner,
-            lengths=lengths,
-            num_microbatches=num_microbatches,
+            parts=parts,
+            adapted=adapted,
             abstract=shapes.abstract,
             shardings=shapes.shardings,
             shapes=shapes,
@@ -130,9 +125,18 @@ class LoraStepSetup:
             base=base,
         )
 
+    @property
+    def partitioner(self) -> Partitioner:
+        return self.parts.partitioner
+
+    @property
+    def eval_model(self) -> EncoderDecoderModel:
+        return self.parts.model
+
     def compiled_step(self):
+        p = self.parts
         step = lora_base.compile_train_step(
-            self.model, self.optimizer, self.shapes, self.partitioner, self.num_microbatches
+            self.adapted, p.optimizer, self.shapes, p.partitioner, p.num_microbatches
         )
         return lambda state, batch, dropout_seed: step(state, self.base, batch, dropout_seed)
 
@@ -152,7 +156,8 @@ class LoraStepSetup:
         """Fresh adapters at the start point's step (the base is INITIAL_CHECKPOINT_PATH)."""
 
         def init(rng):
-            state = lora_base.initial_state(self.model, self.optimizer, rng, *self.lengths)
+            p = self.parts
+            state = lora_base.initial_state(self.adapted, p.optimizer, rng, *p.lengths)
             return state.replace(step=jnp.int32(start.input_start_step))
 
         return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed))

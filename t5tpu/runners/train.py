@@ -31,7 +31,7 @@ import errno
 import os
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -47,6 +47,7 @@ from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
 from t5tpu.runners import lora_run
 from t5tpu.runners.evaluator import TaskEvaluator
+from t5tpu.runners.step_setup import FullStepSetup, StartPoint, StepParts, StepSetup
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
 from t5tpu.storage import checkpoints, locations, remote
 from t5tpu.storage import model_dir as paths
@@ -79,107 +80,6 @@ class EvalSettings:
     split: str
     batch_size: int
     num_examples: int | None
-
-
-@dataclasses.dataclass(frozen=True)
-class StartPoint:
-    """Where a run's steps and its input stream start (see the module docstring)."""
-
-    resume: checkpoints.ResumePoint | None
-    # INITIAL_CHECKPOINT_PATH, opened where the run reads it (see _initial_checkpoint).
-    initial_checkpoint: Checkpoint | None
-    # The step before the input stream's first batch; also the first step of a run that does
-    # not resume (a pretrained checkpoint's, else 0).
-    input_start_step: int
-    last_step: int
-
-
-class StepSetup(Protocol):
-    """What a train step is made of and where its state lives, the one interface of both kinds
-    of run: FullStepSetup (every weight trained) and lora_run.LoraStepSetup (adapters on a
-    frozen base). The run reads nothing else of a setup."""
-
-    partitioner: Partitioner  # whose mesh the state lives on
-    abstract: trainer.TrainState  # the trained state's shapes
-    shardings: trainer.TrainState  # and their shardings
-
-    @property
-    def eval_model(self) -> EncoderDecoderModel:
-        """The plain model evaluation decodes with, on `eval_params(state.params)`."""
-
-    @property
-    def eval_shardings(self):
-        """The shardings of `eval_params`' parameters."""
-
-    def eval_params(self, params):
-        """The plain parameters to evaluate from the trained ones."""
-
-    def compiled_step(self) -> Callable:
-        """The jitted step: (state, batch, dropout_seed) -> (state, metrics)."""
-
-    def fresh_state(self, *, seed: int, start: StartPoint) -> trainer.TrainState:
-        """The state of a run that does not resume, at the start point's step."""
-
-    def checkpoint_metadata(self) -> dict:
-        """What every checkpoint records of the setup besides the state."""
-
-
-@dataclasses.dataclass(frozen=True)
-class FullStepSetup:
-    """StepSetup of a full fine-tuning (or a training from scratch): the model, its optimizer,
-    sequence lengths and microbatches, on the partitioner's mesh."""
-
-    model: EncoderDecoderModel
-    optimizer: object
-    partitioner: Partitioner
-    lengths: tuple[int, int]
-    num_microbatches: int
-    abstract: trainer.TrainState
-    shardings: trainer.TrainState
-
-    @classmethod
-    def build(cls, *, model, optimizer, partitioner, lengths, num_microbatches) -> FullStepSetup:
-        abstract, shardings = trainer.state_shardings(model, optimizer, partitioner)
-        return cls(model, optimizer, partitioner, lengths, num_microbatches, abstract, shardings)
-
-    def compiled_step(self):
-        return trainer.compile_train_step(
-            self.model, self.optimizer, self.shardings, self.partitioner, self.num_microbatches
-        )
-
-    # A LoRA run's (lora_run.py) merges its adapters into the base for evaluation and names
-    # the base in every checkpoint.
-    @property
-    def eval_model(self) -> EncoderDecoderModel:
-        return self.model
-
-    @property
-    def eval_shardings(self):
-        return self.shardings.params
-
-    def eval_params(self, params):
-        return params
-
-    def checkpoint_metadata(self) -> dict:
-        return {}
-
-    def fresh_state(self, *, seed: int, start: StartPoint) -> trainer.TrainState:
-        """Random, or with INITIAL_CHECKPOINT_PATH's parameters."""
-        params = None
-        initial = start.initial_checkpoint
-        if initial:
-            # A t5tpu checkpoint_N, a Hugging Face directory, a T5X or a Mesh TF checkpoint.
-            params = initial.load(self.abstract.params, self.shardings.params)
-            print(
-                f"initialized parameters from {initial.path} (step {start.input_start_step})",
-                flush=True,
-            )
-
-        def init(rng, params):
-            state = trainer.initial_state(self.model, self.optimizer, rng, *self.lengths, params)
-            return state.replace(step=jnp.int32(start.input_start_step))
-
-        return jax.jit(init, out_shardings=self.shardings)(jax.random.PRNGKey(seed), params)
 
 
 def _create_dir(model_dir: str) -> bool:
@@ -323,13 +223,13 @@ def _warn_unused_rows(model: EncoderDecoderModel, start: StartPoint) -> None:
     )
 
 
-def _step_setup(*, settings, mngr, start: StartPoint, **parts) -> StepSetup:
+def _step_setup(*, settings, mngr, start: StartPoint, parts: StepParts) -> StepSetup:
     """The StepSetup of a full fine-tuning run, or of a LoRA run (`settings`)."""
-    _warn_unused_rows(parts["model"], start)
+    _warn_unused_rows(parts.model, start)
     lora_run.check_resumable(mngr, start.resume, settings)
     if settings is None:
-        return FullStepSetup.build(**parts)
-    return lora_run.LoraStepSetup.build(settings=settings, mngr=mngr, start=start, **parts)
+        return FullStepSetup.build(parts)
+    return lora_run.LoraStepSetup.build(parts, settings=settings, mngr=mngr, start=start)
 
 
 def _evaluator(
@@ -523,11 +423,13 @@ def train(
             settings=settings,
             mngr=mngr,
             start=start,
-            model=model,
-            optimizer=optimizer,
-            partitioner=partitioner,
-            lengths=pipeline.model_lengths(task_feature_lengths),
-            num_microbatches=num_microbatches,
+            parts=StepParts(
+                model=model,
+                optimizer=optimizer,
+                partitioner=partitioner,
+                lengths=pipeline.model_lengths(task_feature_lengths),
+                num_microbatches=num_microbatches,
+            ),
         )
         return _train_steps(
             model_dir=model_dir,
