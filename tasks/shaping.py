@@ -69,12 +69,16 @@ def tasks_of(task_name: str | None) -> tuple[str, ...]:
 
 
 def record_for_run(
-    task_name: str | None, lengths: tuple[int, int], decoding: DecodingSettings
+    task_name: str | None,
+    lengths: tuple[int, int],
+    decoding: DecodingSettings,
+    tasks: tuple[str, ...] | None = None,
 ) -> RunRecord:
-    """The record a training run saves with its checkpoints, from the parsed gin files."""
+    """The record a training run saves with its checkpoints, from the parsed gin files; `tasks`
+    when known already (a prepared file's), else tasks_of(task_name)."""
     return RunRecord(
         task=task_name,
-        tasks=tasks_of(task_name),
+        tasks=tasks_of(task_name) if tasks is None else tasks,
         input_length=lengths[0],
         target_length=lengths[1],
         shaping=for_task(task_name),

@@ -308,5 +308,5 @@ def test_bad_input_is_one_line_exit_2_and_changes_nothing(case, trained_dir):
 def test_help_names_the_subcommands_and_flags_and_exits_0():
     run = t5tpu("--help")
     assert run.returncode == 0, run.stderr[-2000:]
-    assert "gin subcommands: train, eval, infer, plan" in run.stdout
+    assert "gin subcommands: train, eval, infer, prepare-data, plan" in run.stdout
     assert "--gin_file" in run.stdout and "--gin_search_paths" in run.stdout

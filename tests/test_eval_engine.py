@@ -14,7 +14,7 @@ from t5tpu.tasks import register_builtin_tasks
 import t5tpu
 from t5tpu.config import gin_setup
 from t5tpu.model import decoding_settings
-from t5tpu.runners.evaluator import TaskEvaluator, _examples
+from t5tpu.runners.evaluator import TaskEvaluator, model_examples
 from t5tpu.storage import model_dir as paths
 
 pytestmark = pytest.mark.slow  # needs the trained_tiny run
@@ -52,7 +52,7 @@ class _WholeBatchEvaluator(TaskEvaluator):
     def _whole_batches(self, ds, fn):
         from t5tpu.model.slot_batch import padded
 
-        examples, out = _examples(ds), []
+        examples, out = model_examples(ds), []
         for start in range(0, len(examples), self.batch_size):
             some = examples[start : start + self.batch_size]
             batch = {

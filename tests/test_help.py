@@ -48,7 +48,7 @@ def _succeeded(*args):
 
 def test_overview_lists_every_command_with_its_summary():
     text = _succeeded("--help")
-    assert "gin subcommands: train, eval, infer, plan" in text
+    assert "gin subcommands: train, eval, infer, prepare-data, plan" in text
     assert "tools: prepare-quora, convert, bench" in text
     for command in [*commands.GIN_COMMANDS.values(), *commands.TOOLS.values()]:
         row = rf"^  {re.escape(command.name)} +{re.escape(command.summary)}$"

@@ -96,6 +96,14 @@ _MICROBATCHES = Macro("NUM_MICROBATCHES", "1", "gradient accumulation: the batch
 _PACKING = Macro("USE_PACKING", "False", "pack several examples into one row")
 _EVAL_SPLIT = Macro("EVAL_SPLIT", "'validation'", "the split eval reads")
 _EVAL_BATCH_SIZE = Macro("EVAL_BATCH_SIZE", "32", "eval's batch size")
+_EVAL_NUM_EXAMPLES = Macro(
+    "EVAL_NUM_EXAMPLES", "None", "evaluate only the first N examples (None: all)"
+)
+_PREPARED = Macro(
+    "PREPARED_DATA", "None", "a `t5tpu prepare-data` file: train/eval from it, no TensorFlow needed"
+)
+_STEPS = Macro("TRAIN_STEPS", "required", "absolute step to train to; raising it continues a run")
+_SEED = Macro("RANDOM_SEED", "0", "initialization, data order and dropout")
 _CHECKPOINT_STEP = "'latest', 'all' or a step"
 _BEAMS = (
     Macro("NUM_BEAMS", "1", "above 1: beam search"),
@@ -114,12 +122,12 @@ TRAIN = GinCommand(
         _TASK,
         _TASK_MODULE,
         _LENGTHS,
-        Macro("TRAIN_STEPS", "required", "absolute step to train to; raising it continues a run"),
+        _STEPS,
         _BATCH_SIZE,
         Macro("DROPOUT_RATE", "0.1", "dropout in every layer"),
         Macro("LEARNING_RATE", "0.001", "Adafactor's constant rate (T5's fine-tuning recipe)"),
         _PACKING,
-        Macro("RANDOM_SEED", "0", "initialization, data order and dropout"),
+        _SEED,
         _MICROBATCHES,
         Macro("SAVE_PERIOD", "1000", "steps between checkpoints (and one at the end)"),
         Macro("KEEP_CHECKPOINTS", "None", "keep only the newest N checkpoints"),
@@ -138,6 +146,7 @@ TRAIN = GinCommand(
             "'full'",
             "'lora': low-rank adapters on the frozen INITIAL_CHECKPOINT_PATH (lora.rank, ...)",
         ),
+        _PREPARED,
     ),
     example=(
         f"t5tpu train --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" --gin.TRAIN_STEPS=300"
@@ -157,9 +166,10 @@ EVAL = GinCommand(
         Macro("CHECKPOINT_STEP", "'latest'", f"{_CHECKPOINT_STEP}, or 'continuous' while training"),
         _EVAL_SPLIT,
         _EVAL_BATCH_SIZE,
-        Macro("EVAL_NUM_EXAMPLES", "None", "evaluate only the first N examples (None: all)"),
+        _EVAL_NUM_EXAMPLES,
         Macro("EVAL_OUTPUT_DIR", "None", "where metrics go (None: MODEL_DIR)"),
         *_BEAMS,
+        _PREPARED,
     ),
     example=f"t5tpu eval --gin_file={EXPERIMENT} --gin.MODEL_DIR=\"'/tmp/qp'\" "
     "--gin.CHECKPOINT_STEP=\"'all'\"",
@@ -207,6 +217,33 @@ INFER = GinCommand(
     tensorflow=False,
 )
 
+PREPARE_DATA = GinCommand(
+    name="prepare-data",
+    summary="a run's batches and eval examples in one file, for a machine without TensorFlow",
+    runner="t5tpu.runners.prepare_data:prepare_data",
+    run_file="configs/runs/prepare_data.gin",
+    defaults_files=("configs/runs/prepare_data.gin",),
+    macros=(
+        dataclasses.replace(_PREPARED, default="required", meaning="the .npz file to write"),
+        _TASK,
+        _TASK_MODULE,
+        _LENGTHS,
+        dataclasses.replace(_STEPS, meaning="the batches written: those of TRAIN_STEPS steps"),
+        _BATCH_SIZE,
+        _PACKING,
+        _SEED,
+        _EVAL_SPLIT,
+        _EVAL_NUM_EXAMPLES,
+    ),
+    example=f"t5tpu prepare-data --gin_file={EXPERIMENT} --gin.TRAIN_STEPS=300 "
+    "--gin.PREPARED_DATA=\"'/tmp/qp.npz'\"",
+    notes=(
+        "reads the gin files `t5tpu train` reads; then `t5tpu train` and `t5tpu eval` with the "
+        "same flags read the file instead of the task, importing neither seqio nor TensorFlow",
+    ),
+    compilation_cache=False,
+)
+
 PLAN = GinCommand(
     name="plan",
     summary="per-device memory of a training run and whether it fits, before paying for a slice",
@@ -229,7 +266,7 @@ PLAN = GinCommand(
     tensorflow=False,
 )
 
-GIN_COMMANDS = {c.name: c for c in (TRAIN, EVAL, INFER, PLAN)}
+GIN_COMMANDS = {c.name: c for c in (TRAIN, EVAL, INFER, PREPARE_DATA, PLAN)}
 TOOLS = {
     c.name: c
     for c in (

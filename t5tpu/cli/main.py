@@ -1,8 +1,9 @@
 """The t5tpu command line: `t5tpu COMMAND [FLAGS]`, dispatched through the command table.
 
-The gin commands (train, eval, infer, plan) take T5X's flags (--gin_file, --gin.NAME=VALUE, ...)
-and run a runner whose every argument gin supplies; the tools parse their own flags. Help and bad
-flags are answered before jax, TensorFlow or seqio is imported, so they answer at once.
+The gin commands (train, eval, infer, prepare-data, plan) take T5X's flags (--gin_file,
+--gin.NAME=VALUE, ...) and run a runner whose every argument gin supplies; the tools parse their
+own flags. Help and bad flags are answered before jax, TensorFlow or seqio is imported, so they
+answer at once.
 """
 
 from __future__ import annotations
@@ -59,8 +60,6 @@ def main(argv: list[str]) -> None:
     command = commands.GIN_COMMANDS.get(argv[1]) if len(argv) == 2 else None
     if command is None:
         fail(commands.unknown_command(argv[1:]))
-    if command.tensorflow:
-        lazy_imports.import_tensorflow_quietly()
     if command.compilation_cache:
         compilation_cache.enable()
     from t5tpu.config import gin_setup
@@ -78,6 +77,10 @@ def main(argv: list[str]) -> None:
             bindings=gin_flags.GIN_BINDINGS.value,
             search_paths=gin_flags.GIN_SEARCH_PATHS.value,
         )
+        # A run from a prepared file (PREPARED_DATA) reads no task: TensorFlow stays out, as
+        # on a machine that lacks it. Else it is loaded now, quietly, as the task will need it.
+        if command.tensorflow and not gin_setup.bound_value("%PREPARED_DATA"):
+            lazy_imports.import_tensorflow_quietly()
         command.load_runner()()
     except UserError as e:
         fail(one_line_message(e))

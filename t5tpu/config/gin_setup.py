@@ -38,6 +38,7 @@ CONFIGURABLE_MODULES = (
     "t5tpu.runners.train",
     "t5tpu.runners.evaluate",
     "t5tpu.runners.infer",
+    "t5tpu.runners.prepare_data",
     "t5tpu.runners.plan",
 )
 

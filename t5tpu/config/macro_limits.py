@@ -60,6 +60,7 @@ LIMITS: dict[str, Limit] = {
     "EVAL_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/eval'\""),
     "INFER_INPUT_FILE": Limit(_PATH, "\"'inputs.txt'\""),
     "INFER_OUTPUT_DIR": Limit(_PATH, "\"'/tmp/predictions'\""),
+    "PREPARED_DATA": Limit(_PATH, "\"'/tmp/qp_prepared.npz'\""),
     "LEARNING_RATE": Limit(validators.number(above=0), "0.001"),
     "TRAIN_STEPS": _count("1000"),
     "BATCH_SIZE": _positive("32"),

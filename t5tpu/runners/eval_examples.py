@@ -24,28 +24,15 @@ imports seqio and TensorFlow.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from t5tpu.runners import example_lines
 from t5tpu.runtime.lazy_imports import seqio, tf
 from t5tpu.storage import atomic_files
 from t5tpu.storage import model_dir as paths
-
-# The model outputs (seqio's names) a line carries; "output" (the text before the task's
-# postprocessor) and auxiliary values are left out.
-OUTPUTS = ("prediction", "score")
-
-
-def _plain(value: Any) -> Any:
-    """What json cannot write itself, as JSON: a postprocessor may return numpy values or bytes."""
-    if isinstance(value, np.ndarray | np.generic):
-        return value.tolist()
-    if isinstance(value, bytes):
-        return value.decode("utf-8", "replace")
-    return str(value)
 
 
 def _text(example: Mapping, feature: str, task_name: str) -> str:
@@ -53,7 +40,7 @@ def _text(example: Mapping, feature: str, task_name: str) -> str:
     <feature>_pretokenized; for a task of the user's that drops it, its ids decoded."""
     raw = example.get(f"{feature}_pretokenized")
     if raw is not None:
-        return _plain(raw)
+        return example_lines.plain(raw)
     vocabulary = seqio.get_mixture_or_task(task_name).output_features[feature].vocabulary
     return vocabulary.decode(np.asarray(example[feature]).tolist())
 
@@ -63,16 +50,12 @@ def example_line(
 ) -> str:
     """One example's JSON line: its texts from the task's dataset, `target` as postprocessed for
     the metrics and its `outputs` (OUTPUTS present)."""
-    row = {
-        "input": _text(example, "inputs", task_name),
-        "target": _text(example, "targets", task_name),
-    }
-    row.update((name, outputs[name]) for name in OUTPUTS if name in outputs)
-    # Round-tripped so that a reference of numpy values compares with the text as JSON does.
-    references = json.loads(json.dumps(target, default=_plain))
-    if references != row["target"]:
-        row["references"] = references
-    return json.dumps(row, ensure_ascii=False, default=_plain) + "\n"
+    return example_lines.line(
+        input_text=_text(example, "inputs", task_name),
+        target_text=_text(example, "targets", task_name),
+        target=target,
+        outputs=outputs,
+    )
 
 
 class ExamplesLogger(seqio.Logger):
@@ -96,7 +79,11 @@ class ExamplesLogger(seqio.Logger):
         del metrics  # eval_metrics.json has them
         if dataset is None or targets is None:  # seqio's metrics that collect nothing
             return
-        outputs = {name: values for name, values in (inferences or {}).items() if name in OUTPUTS}
+        outputs = {
+            name: values
+            for name, values in (inferences or {}).items()
+            if name in example_lines.OUTPUTS
+        }
         lines = [
             example_line(
                 example,

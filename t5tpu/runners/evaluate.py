@@ -6,6 +6,8 @@ replaces that task's entry and keeps every other. Splits other than 'validation'
 in MODEL_DIR/eval_<split> and eval_<split>_metrics.json (runners/evaluator.py writes them).
 EVAL_OUTPUT_DIR puts these files and eval_config.gin in another folder, for a MODEL_DIR that is
 read-only (runners/results_dir.py); the config is written with the first metrics.
+PREPARED_DATA evaluates a `t5tpu prepare-data` file's examples instead, without seqio or
+TensorFlow (runners/prepared_eval.py).
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from jax.experimental import multihost_utils
 
 from t5tpu import validators
 from t5tpu.config import gin_setup, runner_settings
-from t5tpu.data import availability
+from t5tpu.data import availability, prepared
+from t5tpu.errors import UserError
 from t5tpu.model import decoding_settings, param_shapes
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import results_dir, run_lengths, train
+from t5tpu.runners import prepared_eval, results_dir, run_lengths, train
 from t5tpu.runners.evaluator import TaskEvaluator, recorded_metrics
 from t5tpu.storage import checkpoints
 from t5tpu.storage import model_dir as paths
@@ -110,8 +113,40 @@ def _skipped_on_any_host(skipped: bool) -> bool:
     return bool(np.any(multihost_utils.process_allgather(np.asarray(skipped))))
 
 
+def _checked_task(
+    name: str, module: str | None, split: str, num_examples: int | None, path: str | None
+) -> prepared.PreparedData | None:
+    """The prepared file's data when PREPARED_DATA names one (of this task, split and number of
+    examples), else None once the task's split is found readable."""
+    if not path:
+        registry.get_task(name, module)
+        availability.check_readable(name, split, "EVAL_SPLIT")
+        return None
+    found = prepared.read(path)
+    if found.settings.task != name:
+        raise UserError(
+            f"PREPARED_DATA: {path} holds task {found.settings.task!r}, this run evaluates "
+            f"MIXTURE_OR_TASK_NAME={name!r}; prepare that task's data"
+        )
+    prepared.check_eval(found, split=split, num_examples=num_examples)
+    return found
+
+
+def _evaluator(source: prepared.PreparedData | None, lengths: dict, *, task: dict, **kwargs):
+    """TaskEvaluator of the `task`'s split, or the evaluator of the prepared examples, which
+    were cut at the lengths they were made with: the run's must be those."""
+    if source is None:
+        return TaskEvaluator(task_feature_lengths=lengths, **task, **kwargs)
+    if {k: int(n) for k, n in lengths.items()} != source.settings.lengths:
+        raise UserError(
+            f"PREPARED_DATA: {source.path} holds examples of TASK_FEATURE_LENGTHS="
+            f"{source.settings.lengths}, this run's are {lengths}; prepare them with these"
+        )
+    return prepared_eval.PreparedEvaluator(data=source, **kwargs)
+
+
 def _evaluate_each(
-    evaluator: TaskEvaluator,
+    evaluator: TaskEvaluator | prepared_eval.PreparedEvaluator,
     steps: Iterable[int],
     *,
     model_dir: str,
@@ -157,6 +192,7 @@ def evaluate(
     length_penalty: float | None = None,
     poll_seconds: float = 30.0,
     wait_seconds: float = 3600.0,
+    prepared_data: str | None = None,
 ) -> dict:
     """Evaluates the checkpoint(s) in MODEL_DIR chosen by CHECKPOINT_STEP: 'latest', a step,
     'all' (every checkpoint, oldest first), or 'continuous': every checkpoint after the newest
@@ -167,27 +203,26 @@ def evaluate(
     partitioner.check_batch_size("EVAL_BATCH_SIZE", batch_size)
     (settings := decoding_settings.of_arguments(locals())).check(model.config.vocab_size)
     output_dir = results_dir.checked_output_dir(model_dir, output_dir, "EVAL_OUTPUT_DIR")
-    registry.get_task(mixture_or_task_name, mixture_or_task_module)
-    availability.check_readable(mixture_or_task_name, split, "EVAL_SPLIT")
+    source = _checked_task(
+        mixture_or_task_name, mixture_or_task_module, split, num_examples, prepared_data
+    )
     params_shape, shardings = param_shapes.sharded_abstract_params(model.config, partitioner)
     continuous = checkpoint_step == CONTINUOUS
     if continuous:
         steps = _steps_as_they_appear(model_dir, output_dir, split, poll_seconds, wait_seconds)
     else:
         steps = _checked_steps(model_dir, checkpoint_step, params_shape)
-    evaluator = TaskEvaluator(
+    lengths = _lengths(task_feature_lengths, model_dir, None if continuous else steps)
+    evaluator = _evaluator(
+        source,
+        lengths,
+        task=dict(task_name=mixture_or_task_name, split=split, num_examples=num_examples),
         model=model,
-        task_name=mixture_or_task_name,
-        task_feature_lengths=_lengths(
-            task_feature_lengths, model_dir, None if continuous else steps
-        ),
-        split=split,
         batch_size=batch_size,
         partitioner=partitioner,
         param_shardings=shardings,
         model_dir=model_dir,
         output_dir=output_dir,
-        num_examples=num_examples,
         settings=settings,
     )
     return _evaluate_each(

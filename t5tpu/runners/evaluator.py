@@ -137,28 +137,11 @@ class TaskEvaluator:
 
     def _decode(self, ds: tf.data.Dataset, *, step: int) -> list:
         """(index, ids) of every example of `ds`, decoded as `t5tpu infer` decodes."""
-        examples = _examples(ds)
-        progress = example_progress.ExampleProgress(
-            f"eval step {step} (decode)", total=len(examples)
-        )
-        feed = engine.ListFeed(
-            (
-                engine.Row(ex.inputs, index=i, seed=self.request.settings.seed, tag=ex.index)
-                for i, ex in enumerate(examples)
-            ),
-            bucket=self._engine.bucket,
-            fill=self._engine.few_rows,
-        )
-        results = []
-        for decoded in self._engine.stream(feed, self.request):
-            results.append((decoded.row.tag, decoded.ids.tolist()))
-            if len(results) % self._engine.batch_size == 0 or len(results) == len(examples):
-                progress.add(len(results) - progress.count)  # a batch's worth at a time
-        return results
+        return decoded(self._engine, self.request, model_examples(ds), label=f"eval step {step}")
 
     def _score(self, ds: tf.data.Dataset, *, step: int) -> list:
         """(index, log-likelihood of the targets) of every example of `ds`."""
-        examples = _examples(ds)
+        examples = model_examples(ds)
         progress = example_progress.ExampleProgress(
             f"eval step {step} (score)", total=len(examples)
         )
@@ -191,32 +174,61 @@ class TaskEvaluator:
         return metrics
 
     def _record(self, step: int, metrics: dict) -> None:
-        self.writer.write_scalars(
-            step,
-            {
-                f"{task}/{name}": value
-                for task, values in metrics.items()
-                for name, value in _scalars(values).items()
-            },
-        )
+        self.writer.write_scalars(step, summary_scalars(metrics))
         self.writer.flush()
-        # A folder where the file goes is found here first, while reading it.
-        with atomic_files.write_faults(self.metrics_file, OUTPUT_SETTING):
-            recorded = recorded_metrics(self.metrics_file)
         datasets = self.evaluator.cached_task_datasets
-        recorded.setdefault(str(step), {}).update(
-            {
-                task: {name: float(v) for name, v in _scalars(values).items()}
-                | {"num_examples": int(datasets[task].cardinality())}
-                for task, values in metrics.items()
-            }
-        )
-        text = json.dumps(recorded, indent=2, sort_keys=True)
-        atomic_files.write_atomically(self.metrics_file, text, setting=OUTPUT_SETTING)
+        counts = {task: int(datasets[task].cardinality()) for task in metrics}
+        write_metrics(self.metrics_file, step, metrics, counts)
+
+
+def decoded(eng: engine.Engine, request: engine.Request, examples: list, *, label: str) -> list:
+    """(index, ids) of each of `examples` (each with .index and .inputs), decoded as `t5tpu
+    infer` decodes, with a progress line a batch at a time."""
+    progress = example_progress.ExampleProgress(f"{label} (decode)", total=len(examples))
+    feed = engine.ListFeed(
+        (
+            engine.Row(ex.inputs, index=i, seed=request.settings.seed, tag=ex.index)
+            for i, ex in enumerate(examples)
+        ),
+        bucket=eng.bucket,
+        fill=eng.few_rows,
+    )
+    results = []
+    for done in eng.stream(feed, request):
+        results.append((done.row.tag, done.ids.tolist()))
+        if len(results) % eng.batch_size == 0 or len(results) == len(examples):
+            progress.add(len(results) - progress.count)  # a batch's worth at a time
+    return results
+
+
+def summary_scalars(metrics: dict) -> dict:
+    """{task/metric: value} of {task: metrics}, the numbers only: TensorBoard's names."""
+    return {
+        f"{task}/{name}": value
+        for task, values in metrics.items()
+        for name, value in _scalars(values).items()
+    }
+
+
+def write_metrics(metrics_file: str, step: int, metrics: dict, counts: dict) -> None:
+    """Records {task: metrics} at `step` in `metrics_file`, each task's with its number of
+    examples (`counts`), keeping every other step's and task's."""
+    # A folder where the file goes is found here first, while reading it.
+    with atomic_files.write_faults(metrics_file, OUTPUT_SETTING):
+        recorded = recorded_metrics(metrics_file)
+    recorded.setdefault(str(step), {}).update(
+        {
+            task: {name: float(v) for name, v in _scalars(values).items()}
+            | {"num_examples": counts[task]}
+            for task, values in metrics.items()
+        }
+    )
+    text = json.dumps(recorded, indent=2, sort_keys=True)
+    atomic_files.write_atomically(metrics_file, text, setting=OUTPUT_SETTING)
 
 
 @dataclasses.dataclass(frozen=True)
-class _Example:
+class ModelExample:
     """An evaluation example as seqio's feature converter gives it, its padding cut off."""
 
     index: int
@@ -224,14 +236,14 @@ class _Example:
     targets: tuple[int, ...]
 
 
-def _examples(ds: tf.data.Dataset) -> list[_Example]:
+def model_examples(ds: tf.data.Dataset) -> list[ModelExample]:
     """Every (index, features) of an enumerated, finite dataset."""
 
     def unpadded(ids: np.ndarray) -> tuple[int, ...]:
         return tuple(int(i) for i in ids[: int(np.count_nonzero(ids))])
 
     return [
-        _Example(
+        ModelExample(
             int(index),
             unpadded(features["encoder_input_tokens"]),
             unpadded(features["decoder_target_tokens"]),

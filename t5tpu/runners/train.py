@@ -21,6 +21,10 @@ saved again.
 On SIGTERM (a TPU VM about to be preempted) the loop saves a checkpoint at the current step and
 exits 0; rerunning the same command continues. A NaN or Inf loss stops training before anything
 is saved, so the last checkpoint on disk is the last good one.
+
+With PREPARED_DATA (a `t5tpu prepare-data` file, data/prepared.py) the batches and the eval
+examples come from that file, and neither seqio nor TensorFlow is imported: the scalars go to
+train/scalars.jsonl (storage/scalar_log.py) instead of TensorBoard's event files.
 """
 
 from __future__ import annotations
@@ -40,16 +44,16 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from t5tpu.config import gin_setup, runner_settings
-from t5tpu.data import availability, pipeline
+from t5tpu.data import availability, pipeline, prepared
 from t5tpu.errors import UserError
 from t5tpu.model import decoding_settings
 from t5tpu.model.encoder_decoder import EncoderDecoderModel
 from t5tpu.partitioning import Partitioner
-from t5tpu.runners import lora_run
+from t5tpu.runners import lora_run, prepared_eval
 from t5tpu.runners.evaluator import TaskEvaluator
 from t5tpu.runners.step_setup import FullStepSetup, StartPoint, StepParts, StepSetup
 from t5tpu.runners.train_loop import Checkpointer, Periods, TrainConfig, TrainLoop
-from t5tpu.storage import checkpoints, locations, remote
+from t5tpu.storage import checkpoints, locations, remote, scalar_log
 from t5tpu.storage import model_dir as paths
 from t5tpu.storage.run_record import RunRecord
 from t5tpu.storage.writer_lock import WriterLock
@@ -64,13 +68,15 @@ if TYPE_CHECKING:  # the loader imports TensorFlow (Mesh TF's reader): not at gi
 
 @dataclasses.dataclass(frozen=True)
 class InputSettings:
-    """The training input stream: a seeded order over the task's train split."""
+    """The training input stream: a seeded order over the task's train split, or its batches
+    from a prepared file (`prepared`, PREPARED_DATA's)."""
 
     task_name: str
     task_feature_lengths: dict
     batch_size: int
     seed: int
     use_packing: bool
+    prepared: prepared.PreparedData | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +141,32 @@ def _check_data(data: InputSettings, task_module: str | None, evals: EvalSetting
         availability.check_readable(data.task_name, evals.split, "EVAL_SPLIT")
 
 
+def _checked_inputs(
+    data: InputSettings, task_module: str | None, evals: EvalSettings | None, path: str | None
+) -> InputSettings:
+    """`data` with the prepared file's data when PREPARED_DATA names one (the run's settings
+    checked against it); else as it is, once the task's splits are found readable."""
+    if not path:
+        _check_data(data, task_module, evals)
+        return data
+    if jax.process_count() > 1:
+        raise UserError("PREPARED_DATA holds one host's batches; train from it on one host")
+    found = prepared.read(path)
+    prepared.check_settings(
+        found,
+        prepared.BatchSettings(
+            task=data.task_name,
+            lengths=data.task_feature_lengths,
+            batch_size=data.batch_size,
+            seed=data.seed,
+            packing=data.use_packing,
+        ),
+    )
+    if evals:
+        prepared.check_eval(found, split=evals.split, num_examples=evals.num_examples)
+    return dataclasses.replace(data, prepared=found)
+
+
 def _run_record(data: InputSettings) -> RunRecord:
     """What this run decides about its model's inputs and outputs, saved with every checkpoint
     for the front ends: the task, its lengths and input shaping, and the decoding eval and
@@ -142,7 +174,9 @@ def _run_record(data: InputSettings) -> RunRecord:
     # n-best is what one infer asks for, not how the model answers everywhere.
     defaults = dataclasses.replace(runner_settings.infer_decoding(), num_return_sequences=1)
     lengths = pipeline.model_lengths(data.task_feature_lengths)
-    return shaping.record_for_run(data.task_name, lengths, defaults)
+    # A prepared file names the tasks: looking up another task's would import seqio.
+    tasks = data.prepared.tasks if data.prepared else None
+    return shaping.record_for_run(data.task_name, lengths, defaults, tasks=tasks)
 
 
 def _initial_checkpoint(
@@ -233,10 +267,25 @@ def _step_setup(*, settings, mngr, start: StartPoint, parts: StepParts) -> StepS
 
 
 def _evaluator(
-    evals: EvalSettings, *, data: InputSettings, setup: StepSetup, model_dir: str
+    evals: EvalSettings,
+    *,
+    data: InputSettings,
+    setup: StepSetup,
+    model_dir: str,
 ) -> Callable:
     """Evaluation during training, on the parameters the setup evaluates (a LoRA run's: its
-    adapters merged into the base)."""
+    adapters merged into the base); of the prepared file's examples when there is one."""
+    if data.prepared:
+        evaluator = prepared_eval.PreparedEvaluator(
+            model=setup.eval_model,
+            data=data.prepared,
+            batch_size=evals.batch_size,
+            partitioner=setup.partitioner,
+            param_shardings=setup.eval_shardings,
+            model_dir=model_dir,
+            settings=decoding_settings.DecodingSettings(),
+        )
+        return lambda params, step: evaluator(setup.eval_params(params), step)
     evaluator = TaskEvaluator(
         model=setup.eval_model,
         task_name=data.task_name,
@@ -272,17 +321,23 @@ def _train_steps(
         print(f"already at step {first_step} >= {start.last_step}; nothing to do")
         return state
     layout = setup.partitioner.data_layout(data.batch_size)
-    stream = pipeline.train_batches(
-        data.task_name,
-        data.task_feature_lengths,
-        data.batch_size,
-        data.seed,
-        data.use_packing,
-        skip_batches=batches_used,
-        layout=layout,
-        saved_position=checkpoints.input_position_path(mngr, first_step),
-    )
-    evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir) if evals else None
+    if data.prepared:
+        needed = start.last_step - start.input_start_step
+        stream = prepared.stream(data.prepared, skip=batches_used, needed=needed)
+    else:
+        stream = pipeline.train_batches(
+            data.task_name,
+            data.task_feature_lengths,
+            data.batch_size,
+            data.seed,
+            data.use_packing,
+            skip_batches=batches_used,
+            layout=layout,
+            saved_position=checkpoints.input_position_path(mngr, first_step),
+        )
+    evaluator = None
+    if evals:
+        evaluator = _evaluator(evals, data=data, setup=setup, model_dir=model_dir)
     return _run_loop(
         state,
         model_dir=model_dir,
@@ -296,6 +351,7 @@ def _train_steps(
         periods=periods,
         checkpoint_dtype=checkpoint_dtype,
         record=_run_record(data),
+        writer=_train_writer(model_dir, tensorflow=data.prepared is None),
     )
 
 
@@ -306,21 +362,17 @@ def _run_loop(
     setup: StepSetup,
     mngr,
     start: StartPoint,
-    stream: pipeline.InputStream,
+    stream: pipeline.InputStream | prepared.PreparedStream,
     layout,
     evaluator: Callable | None,
     dropout_seed: int,
     periods: Periods,
     checkpoint_dtype: str,
     record: RunRecord,
+    writer,
 ) -> trainer.TrainState:
     """Records the run as started, then trains from `state` on inputs already built."""
-    from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
-
     first_step = int(state.step)
-    writer = summaries.writer(
-        paths.train_summaries(model_dir), just_logging=jax.process_index() > 0
-    )
     # Only now that the pipeline and evaluator are built: bad input or a finished run must not
     # replace the config of the run already in MODEL_DIR.
     config = TrainConfig(model_dir, first_step=first_step, resumed=bool(start.resume))
@@ -351,6 +403,16 @@ def _run_loop(
     )
     _announce(first_step, start=start, setup=setup, record=record)
     return loop.run(state)
+
+
+def _train_writer(model_dir: str, *, tensorflow: bool):
+    """TensorBoard's writer of train/, or without TensorFlow its scalars.jsonl."""
+    logdir, just_logging = paths.train_summaries(model_dir), jax.process_index() > 0
+    if not tensorflow:
+        return scalar_log.writer(logdir, just_logging=just_logging)
+    from t5tpu.storage import summaries  # clu's writers import TensorFlow: not at gin parsing
+
+    return summaries.writer(logdir, just_logging=just_logging)
 
 
 def _announce(first_step: int, *, start: StartPoint, setup: StepSetup, record: RunRecord) -> None:
@@ -405,6 +467,7 @@ def train(
     initial_checkpoint_path: str | None = None,
     relative_steps: bool = False,
     method=None,
+    prepared_data: str | None = None,
 ) -> trainer.TrainState:
     """Trains until step TRAIN_STEPS (see the module docstring); `method`: 'full' (None), or
     'lora' / @lora(): adapters on the frozen INITIAL_CHECKPOINT_PATH (runners/lora_run.py)."""
@@ -415,7 +478,8 @@ def train(
     data = InputSettings(
         mixture_or_task_name, task_feature_lengths, batch_size, random_seed, use_packing
     )
-    _check_data(data, mixture_or_task_module, evals if eval_period else None)
+    evals_between = evals if eval_period else None
+    data = _checked_inputs(data, mixture_or_task_module, evals_between, prepared_data)
     lengths = pipeline.model_lengths(task_feature_lengths)
     parts = StepParts(model, optimizer, partitioner, lengths, num_microbatches)
     with _sole_writer(model_dir):
@@ -428,7 +492,7 @@ def train(
             mngr=mngr,
             start=start,
             data=data,
-            evals=evals if eval_period else None,
+            evals=evals_between,
             periods=Periods(log=log_period, save=save_period, eval=eval_period),
             checkpoint_dtype=checkpoint_dtype,
         )
