@@ -712,3 +712,12 @@ def _viewing(fn, view):
         return fn(view(params), *args)
 
     return viewed
+
+
+def reused(current: Engine | None, *, params, **engine_args) -> Engine:
+    """`current` decoding with `params` (its compiled programs kept), or a new Engine of
+    `engine_args` when there is none yet: what an evaluation run at every checkpoint needs."""
+    if current is None:
+        return Engine(params=params, **engine_args)
+    current.set_params(params)
+    return current

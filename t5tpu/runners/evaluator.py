@@ -129,10 +129,7 @@ class TaskEvaluator:
         return self._writer
 
     def _use(self, params) -> engine.Engine:
-        if self._engine is None:
-            self._engine = engine.Engine(params=params, **self._engine_args)
-        else:
-            self._engine.set_params(params)
+        self._engine = engine.reused(self._engine, params=params, **self._engine_args)
         return self._engine
 
     def _decode(self, ds: tf.data.Dataset, *, step: int) -> list:

@@ -95,10 +95,7 @@ class PreparedEvaluator:
         self._functions = {task.name: _functions(task) for task in data.eval_tasks}
 
     def _use(self, params) -> engine.Engine:
-        if self._engine is None:
-            self._engine = engine.Engine(params=params, **self._engine_args)
-        else:
-            self._engine.set_params(params)
+        self._engine = engine.reused(self._engine, params=params, **self._engine_args)
         return self._engine
 
     def __call__(self, params, step: int) -> dict:
